@@ -1,0 +1,320 @@
+//! One call's retry loop: the per-call [`Policy`] that `tower::retry::Retry`
+//! drives, and the service that sends each attempt.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderValue, Request, Response};
+use tokio::time::{Instant, Sleep};
+use tonic::Code;
+use tower::retry::Policy;
+use tower_service::Service;
+
+use crate::body::ResponseBody;
+use crate::classify::{Verdict, classify_error, classify_response, repair_status_details};
+use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout};
+use crate::future::AttemptFuture;
+use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS};
+use crate::metrics::Event;
+use crate::replay::ReplayBody;
+use crate::service::Shared;
+
+/// A gRPC Trailers-Only response carrying a status the layer decided itself.
+pub(crate) fn status_response<B: Default>(code: Code, message: String) -> Response<B> {
+    tonic::Status::new(code, message).into_http()
+}
+
+/// Sends one attempt: the inner service, with `grpc-timeout` rewritten to the
+/// time left and the attempt cut when that time is up.
+#[derive(Debug)]
+pub(crate) struct Attempt<S, B> {
+    inner: S,
+    deadline: Option<Instant>,
+    attempt_timeout: Option<Duration>,
+    _body: PhantomData<fn(B)>,
+}
+
+impl<S, B> Attempt<S, B> {
+    pub(crate) fn new(
+        inner: S,
+        deadline: Option<Instant>,
+        attempt_timeout: Option<Duration>,
+    ) -> Self {
+        Self {
+            inner,
+            deadline,
+            attempt_timeout,
+            _body: PhantomData,
+        }
+    }
+}
+
+// Not derived: that would ask for `B: Clone`, which the marker does not need.
+impl<S: Clone, B> Clone for Attempt<S, B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            deadline: self.deadline,
+            attempt_timeout: self.attempt_timeout,
+            _body: PhantomData,
+        }
+    }
+}
+
+/// Why an attempt was cut short.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Cut {
+    /// The call's deadline came.
+    Deadline,
+    /// The per-attempt timeout came first.
+    AttemptTimeout(Duration),
+}
+
+impl Cut {
+    pub(crate) fn message(self) -> String {
+        match self {
+            Cut::Deadline => "call deadline exceeded".to_owned(),
+            Cut::AttemptTimeout(t) => format!("attempt timed out after {t:?}"),
+        }
+    }
+}
+
+impl<S, B, RB> Service<Request<ReplayBody<B>>> for Attempt<S, B>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    B: From<ReplayBody<B>>,
+{
+    type Response = Response<ResponseBody<RB>>;
+    type Error = S::Error;
+    type Future = AttemptFuture<S::Future, RB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<ReplayBody<B>>) -> Self::Future {
+        let now = Instant::now();
+        let by_deadline = self.deadline.map(|d| (d, Cut::Deadline));
+        let by_attempt = self
+            .attempt_timeout
+            .and_then(|t| Some((now.checked_add(t)?, Cut::AttemptTimeout(t))));
+        let cut = match (by_deadline, by_attempt) {
+            (Some(d), Some(a)) => Some(if a.0 < d.0 { a } else { d }),
+            (d, a) => d.or(a),
+        };
+        if let Some((at, why)) = cut {
+            let left = at.saturating_duration_since(now);
+            if left.is_zero() {
+                // Nothing left to send with: answer now, without a request.
+                return AttemptFuture::cut(why);
+            }
+            req.headers_mut()
+                .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
+        }
+        let future = self.inner.call(req.map(B::from));
+        AttemptFuture::new(future, cut)
+    }
+}
+
+/// The state of one call, cloned by `Retry` into the call's future.
+#[derive(Clone)]
+pub(crate) struct CallPolicy {
+    shared: Arc<Shared>,
+    deadline: Option<Instant>,
+    /// Attempts sent so far.
+    sent: u32,
+    /// Retries since the last server-given delay (A6: a pushback restarts the
+    /// exponential backoff).
+    backoff_step: u32,
+    tried: AlreadyTried,
+}
+
+impl CallPolicy {
+    pub(crate) fn new(shared: Arc<Shared>, deadline: Option<Instant>) -> Self {
+        Self {
+            shared,
+            deadline,
+            sent: 1,
+            backoff_step: 0,
+            tried: AlreadyTried::default(),
+        }
+    }
+
+    fn remaining(&self, now: Instant) -> Option<Duration> {
+        self.deadline.map(|d| d.saturating_duration_since(now))
+    }
+
+    /// Last touches on what the caller gets.
+    fn finish<RB, E>(&self, result: &mut Result<Response<ResponseBody<RB>>, E>, now: Instant) {
+        match result {
+            Ok(response) => {
+                repair_status_details(response.headers_mut());
+            }
+            // tonic reports its own `grpc-timeout` expiry as a transport error
+            // that its client turns into CANCELLED; the caller's deadline is
+            // what ran out, so say so.
+            Err(_) if self.remaining(now).is_some_and(|left| left.is_zero()) => {
+                *result = Ok(status_response(
+                    Code::DeadlineExceeded,
+                    format!("call deadline exceeded during attempt {}", self.sent),
+                ));
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for CallPolicy {
+    type Future = Sleep;
+
+    fn retry(
+        &mut self,
+        req: &mut Request<ReplayBody<B>>,
+        result: &mut Result<Response<ResponseBody<RB>>, E>,
+    ) -> Option<Sleep> {
+        let shared = Arc::clone(&self.shared);
+        let Shared {
+            policy,
+            budget,
+            metrics,
+        } = &*shared;
+        metrics.record(Event::Attempt);
+        let now = Instant::now();
+        let verdict = match &*result {
+            Ok(response) => {
+                classify_response(response.status(), response.headers(), policy.retryable)
+            }
+            Err(_) => classify_error(policy.retryable),
+        };
+        let attempt = self.sent;
+        let remaining = self.remaining(now);
+
+        let (code, server_delay) = match verdict {
+            Verdict::Committed | Verdict::Final(Code::Ok) => {
+                budget.deposit();
+                tracing::debug!(attempt, code = ?verdict.code(), ?remaining, "attempt succeeded");
+                self.finish(result, now);
+                return None;
+            }
+            Verdict::Final(code) => {
+                tracing::debug!(attempt, ?code, ?remaining, "attempt failed; not retryable");
+                self.finish(result, now);
+                return None;
+            }
+            Verdict::Retryable { code, server_delay } => (code, server_delay),
+        };
+
+        if let (Some(header), Ok(response)) = (&policy.instance_header, &*result) {
+            if let Some(id) = response.headers().get(header) {
+                self.tried.record(id);
+            }
+        }
+        if self.sent >= policy.max_attempts {
+            tracing::debug!(
+                attempt,
+                ?code,
+                ?remaining,
+                "attempt failed; no attempts left"
+            );
+            self.finish(result, now);
+            return None;
+        }
+        if !req.body().is_replayable() {
+            tracing::debug!(
+                attempt,
+                ?code,
+                "attempt failed; request body cannot be replayed"
+            );
+            self.finish(result, now);
+            return None;
+        }
+
+        let delay = match server_delay {
+            Some(delay) => {
+                self.backoff_step = 0;
+                delay
+            }
+            None => {
+                self.backoff_step += 1;
+                policy.delay_before(self.backoff_step)
+            }
+        };
+        // Classify, then deadline, then budget: a token pays only for an attempt
+        // that will really be sent.
+        if let Some(left) = remaining {
+            if left <= delay.saturating_add(policy.min_attempt_budget) {
+                metrics.record(Event::RefusedByDeadline);
+                tracing::debug!(attempt, ?code, ?delay, remaining = ?left, "no time left for another attempt");
+                let message = if left.is_zero() {
+                    format!("call deadline exceeded; attempt {attempt} ended with {code:?}")
+                } else {
+                    format!(
+                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {code:?}"
+                    )
+                };
+                *result = Ok(status_response(Code::DeadlineExceeded, message));
+                return None;
+            }
+        }
+        if !budget.try_withdraw() {
+            metrics.record(Event::RefusedByBudget);
+            tracing::debug!(
+                attempt,
+                ?code,
+                tokens = budget.available(),
+                "retry budget exhausted"
+            );
+            *result = Ok(status_response(
+                Code::ResourceExhausted,
+                format!("retry budget exhausted; attempt {attempt} ended with {code:?}"),
+            ));
+            return None;
+        }
+
+        metrics.record(Event::Retry);
+        tracing::debug!(
+            attempt,
+            ?code,
+            ?delay,
+            ?remaining,
+            tokens = budget.available(),
+            tried = ?self.tried,
+            "retrying"
+        );
+        let headers = req.headers_mut();
+        headers.insert(PREVIOUS_ATTEMPTS, HeaderValue::from(self.sent));
+        if !self.tried.is_empty() {
+            if let Some(value) = self.tried.to_header() {
+                headers.insert(ALREADY_TRIED, value);
+            }
+            req.extensions_mut().insert(self.tried.clone());
+        }
+        self.sent += 1;
+        Some(tokio::time::sleep(delay))
+    }
+
+    fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
+        // Always a clone, even of a body that can no longer be replayed: `Retry`
+        // only shows `retry` the outcomes of requests it holds a clone of, and
+        // every outcome must pass `retry` for the budget and the final touches.
+        let mut clone = Request::new(req.body().clone());
+        *clone.method_mut() = req.method().clone();
+        *clone.uri_mut() = req.uri().clone();
+        *clone.version_mut() = req.version();
+        *clone.headers_mut() = req.headers().clone();
+        *clone.extensions_mut() = req.extensions().clone();
+        Some(clone)
+    }
+}
+
+impl std::fmt::Debug for CallPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallPolicy")
+            .field("deadline", &self.deadline)
+            .field("sent", &self.sent)
+            .field("tried", &self.tried)
+            .finish()
+    }
+}

@@ -1,0 +1,150 @@
+//! The `grpc-timeout` header: reading a call's deadline and writing what is left.
+//!
+//! The wire format (gRPC over HTTP/2) is at most eight ASCII digits followed by
+//! a unit: `H` hours, `M` minutes, `S` seconds, `m` milliseconds, `u`
+//! microseconds, `n` nanoseconds.
+
+use std::time::Duration;
+
+use http::HeaderValue;
+
+pub(crate) const GRPC_TIMEOUT: &str = "grpc-timeout";
+
+/// The largest number the header may carry.
+const MAX_DIGITS_VALUE: u128 = 99_999_999;
+
+/// Units from finest to coarsest, with their length in nanoseconds.
+const UNITS: [(u8, u128); 6] = [
+    (b'n', 1),
+    (b'u', 1_000),
+    (b'm', 1_000_000),
+    (b'S', 1_000_000_000),
+    (b'M', 60 * 1_000_000_000),
+    (b'H', 3_600 * 1_000_000_000),
+];
+
+/// Parses a `grpc-timeout` value; `None` if it is not in the wire format.
+pub(crate) fn parse_grpc_timeout(value: &HeaderValue) -> Option<Duration> {
+    let bytes = value.as_bytes();
+    let (&unit, digits) = bytes.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let amount = digits
+        .iter()
+        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+    Some(match unit {
+        b'H' => Duration::from_secs(amount * 3_600),
+        b'M' => Duration::from_secs(amount * 60),
+        b'S' => Duration::from_secs(amount),
+        b'm' => Duration::from_millis(amount),
+        b'u' => Duration::from_micros(amount),
+        b'n' => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// Formats `timeout` for the `grpc-timeout` header, in the finest unit whose
+/// count fits eight digits.
+///
+/// The count is rounded *up*, so a peer enforcing the header never gives up
+/// before the layer's own deadline does: the layer's timer fires first and the
+/// caller sees `DEADLINE_EXCEEDED` rather than the peer's cancellation.
+pub(crate) fn format_grpc_timeout(timeout: Duration) -> HeaderValue {
+    let nanos = timeout.as_nanos();
+    let (unit, count) = UNITS
+        .iter()
+        .map(|&(unit, len)| (unit, nanos.div_ceil(len)))
+        .find(|&(_, count)| count <= MAX_DIGITS_VALUE)
+        // Longer than 99,999,999 hours (over 11,000 years): say the most we can.
+        .unwrap_or((b'H', MAX_DIGITS_VALUE));
+    let mut buf = [0u8; 9];
+    let mut at = buf.len() - 1;
+    buf[at] = unit;
+    let mut rest = count;
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    HeaderValue::from_bytes(&buf[at..]).expect("digits and a unit letter are a valid header value")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn parse(s: &str) -> Option<Duration> {
+        parse_grpc_timeout(&HeaderValue::from_str(s).unwrap())
+    }
+
+    #[test]
+    fn parses_every_unit() {
+        assert_eq!(parse("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(parse("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(parse("800m"), Some(Duration::from_millis(800)));
+        assert_eq!(parse("5u"), Some(Duration::from_micros(5)));
+        assert_eq!(parse("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        assert_eq!(parse("0m"), Some(Duration::ZERO));
+        assert_eq!(
+            parse("99999999H"),
+            Some(Duration::from_secs(99_999_999 * 3600))
+        );
+    }
+
+    #[test]
+    fn rejects_what_is_not_the_wire_format() {
+        for bad in [
+            "",
+            "m",
+            "100",
+            "100x",
+            "123456789m",
+            "-1m",
+            "1.5S",
+            " 1S",
+            "1 S",
+            "1s",
+            "+1m",
+        ] {
+            assert_eq!(parse(bad), None, "{bad:?} should not parse");
+        }
+        let non_utf8 = HeaderValue::from_bytes(&[b'1', 0xff]).unwrap();
+        assert_eq!(parse_grpc_timeout(&non_utf8), None);
+    }
+
+    #[test]
+    fn formats_in_the_finest_unit_that_fits() {
+        let f = |d: Duration| format_grpc_timeout(d).to_str().unwrap().to_owned();
+        assert_eq!(f(Duration::ZERO), "0n");
+        assert_eq!(f(Duration::from_nanos(99_999_999)), "99999999n");
+        assert_eq!(f(Duration::from_millis(800)), "800000u");
+        assert_eq!(
+            f(Duration::from_nanos(123_456_789)),
+            "123457u",
+            "rounded up"
+        );
+        assert_eq!(f(Duration::from_secs(100)), "100000m");
+        assert_eq!(f(Duration::from_secs(86_400 * 365)), "31536000S");
+        assert_eq!(f(Duration::MAX), "99999999H");
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip_is_never_shorter_and_close(nanos in any::<u64>(), secs in 0u64..300_000_000_000) {
+            for d in [Duration::from_nanos(nanos), Duration::new(secs, (nanos % 1_000_000_000) as u32)] {
+                let v = format_grpc_timeout(d);
+                prop_assert!(v.len() <= 9, "{:?} is longer than 8 digits and a unit", v);
+                let back = parse_grpc_timeout(&v).expect("what we write, we read");
+                prop_assert!(back >= d, "{:?} came back as {:?}", d, back);
+                let slack = (d / 10_000).max(Duration::from_nanos(1));
+                prop_assert!(back - d <= slack, "{:?} came back as {:?}", d, back);
+            }
+        }
+    }
+}

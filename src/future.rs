@@ -1,0 +1,137 @@
+//! Future types
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tonic::Code;
+use tower::BoxError;
+use tower_service::Service;
+
+use crate::attempt::{Attempt, CallPolicy, Cut, status_response};
+use crate::body::ResponseBody;
+use crate::replay::ReplayBody;
+
+type Retrying<S, B> =
+    tower::retry::future::ResponseFuture<CallPolicy, Attempt<S, B>, Request<ReplayBody<B>>>;
+
+pin_project! {
+    /// Response future of [`RetryService`](crate::RetryService).
+    ///
+    /// Dropping it cancels the attempt in flight, or the backoff wait between
+    /// attempts; nothing is left running.
+    pub struct ResponseFuture<S, B, RB>
+    where
+        S: Service<Request<B>, Response = Response<RB>>,
+        B: Body<Data = Bytes>,
+        B: From<ReplayBody<B>>,
+        B: Unpin,
+        B::Error: Into<BoxError>,
+    {
+        #[pin]
+        inner: Retrying<S, B>,
+        _body: PhantomData<fn() -> RB>,
+    }
+}
+
+impl<S, B, RB> ResponseFuture<S, B, RB>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    pub(crate) fn new(inner: Retrying<S, B>) -> Self {
+        Self {
+            inner,
+            _body: PhantomData,
+        }
+    }
+}
+
+impl<S, B, RB> Future for ResponseFuture<S, B, RB>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<Response<ResponseBody<RB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project().inner.poll(cx)
+    }
+}
+
+impl<S, B, RB> std::fmt::Debug for ResponseFuture<S, B, RB>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+pin_project! {
+    /// One attempt: the inner service's future, cut at the attempt's limit.
+    pub(crate) struct AttemptFuture<F, RB> {
+        #[pin]
+        inner: Option<F>,
+        #[pin]
+        sleep: Option<Sleep>,
+        cut: Option<Cut>,
+        _body: PhantomData<fn() -> RB>,
+    }
+}
+
+impl<F, RB> AttemptFuture<F, RB> {
+    pub(crate) fn new(inner: F, cut: Option<(Instant, Cut)>) -> Self {
+        Self {
+            inner: Some(inner),
+            sleep: cut.map(|(at, _)| tokio::time::sleep_until(at)),
+            cut: cut.map(|(_, why)| why),
+            _body: PhantomData,
+        }
+    }
+
+    /// An attempt with no time left to be sent at all.
+    pub(crate) fn cut(why: Cut) -> Self {
+        Self {
+            inner: None,
+            sleep: None,
+            cut: Some(why),
+            _body: PhantomData,
+        }
+    }
+}
+
+impl<F, RB, E> Future for AttemptFuture<F, RB>
+where
+    F: Future<Output = Result<Response<RB>, E>>,
+{
+    type Output = Result<Response<ResponseBody<RB>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if let Some(inner) = this.inner.as_mut().as_pin_mut() {
+            if let Poll::Ready(result) = inner.poll(cx) {
+                return Poll::Ready(result.map(|response| response.map(ResponseBody::new)));
+            }
+            if let Some(sleep) = this.sleep.as_pin_mut() {
+                ready!(sleep.poll(cx));
+            } else {
+                return Poll::Pending;
+            }
+            // NOTE: the attempt is dropped here, which cancels its HTTP stream.
+            this.inner.set(None);
+        }
+        let why = this.cut.unwrap_or(Cut::Deadline);
+        Poll::Ready(Ok(status_response(Code::DeadlineExceeded, why.message())))
+    }
+}

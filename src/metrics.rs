@@ -1,0 +1,75 @@
+//! Counters a caller can read, e.g. to export as metrics.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counts of what the layer did, shared by every clone of one [`RetryLayer`]
+/// and the services it made.
+///
+/// [`RetryLayer`]: crate::RetryLayer
+#[derive(Clone, Default)]
+pub struct RetryMetrics {
+    inner: Arc<Counters>,
+}
+
+#[derive(Default)]
+struct Counters {
+    attempts: AtomicU64,
+    retries: AtomicU64,
+    refused_by_budget: AtomicU64,
+    refused_by_deadline: AtomicU64,
+}
+
+/// What to count.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Event {
+    Attempt,
+    Retry,
+    RefusedByBudget,
+    RefusedByDeadline,
+}
+
+impl RetryMetrics {
+    pub(crate) fn record(&self, event: Event) {
+        let c = &self.inner;
+        let counter = match event {
+            Event::Attempt => &c.attempts,
+            Event::Retry => &c.retries,
+            Event::RefusedByBudget => &c.refused_by_budget,
+            Event::RefusedByDeadline => &c.refused_by_deadline,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Attempts that finished (first attempts and retries).
+    pub fn attempts(&self) -> u64 {
+        self.inner.attempts.load(Ordering::Relaxed)
+    }
+
+    /// Retries sent.
+    pub fn retries(&self) -> u64 {
+        self.inner.retries.load(Ordering::Relaxed)
+    }
+
+    /// Retryable failures not retried because the budget was empty.
+    pub fn refused_by_budget(&self) -> u64 {
+        self.inner.refused_by_budget.load(Ordering::Relaxed)
+    }
+
+    /// Retryable failures not retried because the call's deadline had no room.
+    pub fn refused_by_deadline(&self) -> u64 {
+        self.inner.refused_by_deadline.load(Ordering::Relaxed)
+    }
+}
+
+impl fmt::Debug for RetryMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryMetrics")
+            .field("attempts", &self.attempts())
+            .field("retries", &self.retries())
+            .field("refused_by_budget", &self.refused_by_budget())
+            .field("refused_by_deadline", &self.refused_by_deadline())
+            .finish()
+    }
+}

@@ -1,0 +1,429 @@
+//! What to retry, how long to wait, and how much time one call may take.
+
+use std::fmt;
+use std::time::Duration;
+
+use http::HeaderName;
+use rand::Rng;
+use tonic::Code;
+
+use crate::error::ConfigError;
+
+/// The most attempts a call may make, first attempt included (as in gRPC's A6).
+pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
+
+/// The set of status codes the layer may retry.
+///
+/// The default is `UNAVAILABLE`, `DEADLINE_EXCEEDED` and `RESOURCE_EXHAUSTED`,
+/// each under its own condition (see the crate docs): `DEADLINE_EXCEEDED` only
+/// while the call's deadline has room, `RESOURCE_EXHAUSTED` only when the status
+/// carries `google.rpc.RetryInfo`.
+///
+/// ```
+/// use tonic::Code;
+/// use tonic_retry::RetryableCodes;
+///
+/// let codes = RetryableCodes::default().without(Code::DeadlineExceeded);
+/// assert!(codes.contains(Code::Unavailable));
+/// assert!(!codes.contains(Code::DeadlineExceeded));
+/// assert!(!codes.contains(Code::Aborted));
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct RetryableCodes(u32);
+
+impl RetryableCodes {
+    /// No code at all: nothing is retried.
+    pub const fn empty() -> Self {
+        Self(0)
+    }
+
+    /// Adds `code` to the set.
+    #[must_use]
+    pub const fn with(self, code: Code) -> Self {
+        Self(self.0 | Self::bit(code))
+    }
+
+    /// Removes `code` from the set.
+    #[must_use]
+    pub const fn without(self, code: Code) -> Self {
+        Self(self.0 & !Self::bit(code))
+    }
+
+    /// Whether `code` is in the set.
+    pub const fn contains(self, code: Code) -> bool {
+        self.0 & Self::bit(code) != 0
+    }
+
+    const fn bit(code: Code) -> u32 {
+        // Codes are 0..=16, so the shift always fits.
+        1 << (code as u32 & 31)
+    }
+}
+
+impl Default for RetryableCodes {
+    fn default() -> Self {
+        Self::empty()
+            .with(Code::Unavailable)
+            .with(Code::DeadlineExceeded)
+            .with(Code::ResourceExhausted)
+    }
+}
+
+impl FromIterator<Code> for RetryableCodes {
+    fn from_iter<I: IntoIterator<Item = Code>>(iter: I) -> Self {
+        iter.into_iter().fold(Self::empty(), Self::with)
+    }
+}
+
+impl fmt::Debug for RetryableCodes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set()
+            .entries((0..=16).map(Code::from_i32).filter(|c| self.contains(*c)))
+            .finish()
+    }
+}
+
+/// How the layer retries: attempts, backoff, time limits and what it adds to
+/// each request.
+///
+/// Built by [`RetryPolicy::new`] (or [`Default`]) and refined with the `with_*`
+/// settings; every setting is checked when it is made, so a policy that exists
+/// is valid.
+///
+/// | setting | default |
+/// |---|---|
+/// | `max_attempts` (first attempt included) | 3 |
+/// | `base_delay` / `max_delay` | 20 ms / 500 ms |
+/// | `jitter` (± fraction) | 0.20 |
+/// | retryable codes | `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` |
+/// | total timeout (without `grpc-timeout`) | none |
+/// | per-attempt timeout | none |
+/// | minimum attempt budget | 20 ms |
+/// | replay buffer limit | 64 KiB |
+/// | idempotency key generation | on (`x-idempotency-key`) |
+/// | instance id response header | `x-instance-id` |
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use tonic_retry::RetryPolicy;
+///
+/// # fn main() -> Result<(), tonic_retry::ConfigError> {
+/// let policy = RetryPolicy::new(4, Duration::from_millis(10), Duration::from_millis(200), 0.2)?
+///     .with_total_timeout(Duration::from_secs(2))
+///     .with_attempt_timeout(Duration::from_millis(500));
+/// let first = policy.delay_before(1);
+/// assert!(first >= Duration::from_millis(8) && first <= Duration::from_millis(12));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    pub(crate) max_attempts: u32,
+    pub(crate) base_delay: Duration,
+    pub(crate) max_delay: Duration,
+    pub(crate) jitter: f64,
+    pub(crate) retryable: RetryableCodes,
+    pub(crate) total_timeout: Option<Duration>,
+    pub(crate) attempt_timeout: Option<Duration>,
+    pub(crate) min_attempt_budget: Duration,
+    pub(crate) replay_limit: usize,
+    pub(crate) idempotency_key: bool,
+    pub(crate) instance_header: Option<HeaderName>,
+}
+
+impl RetryPolicy {
+    /// A policy making at most `max_attempts` attempts (first included), waiting
+    /// `min(base_delay · 2^(k-1), max_delay) · (1 ± jitter)` before retry `k`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming the field when `max_attempts` is outside `1..=5`,
+    /// `max_delay < base_delay`, or `jitter` is not a number in `0.0..=1.0`.
+    pub fn new(
+        max_attempts: u32,
+        base_delay: Duration,
+        max_delay: Duration,
+        jitter: f64,
+    ) -> Result<Self, ConfigError> {
+        if !(1..=MAX_ATTEMPTS_LIMIT).contains(&max_attempts) {
+            return Err(ConfigError::new(
+                "max_attempts",
+                format!(
+                    "must be within 1..={MAX_ATTEMPTS_LIMIT} (the first attempt counts), got {max_attempts}"
+                ),
+            ));
+        }
+        if max_delay < base_delay {
+            return Err(ConfigError::new(
+                "max_delay",
+                format!("must not be less than base_delay ({base_delay:?}), got {max_delay:?}"),
+            ));
+        }
+        // `contains` is false for NaN, so NaN is rejected here too.
+        if !(0.0..=1.0).contains(&jitter) {
+            return Err(ConfigError::new(
+                "jitter",
+                format!("must be a fraction within 0.0..=1.0, got {jitter}"),
+            ));
+        }
+        Ok(Self {
+            max_attempts,
+            base_delay,
+            max_delay,
+            jitter,
+            retryable: RetryableCodes::default(),
+            total_timeout: None,
+            attempt_timeout: None,
+            min_attempt_budget: Duration::from_millis(20),
+            replay_limit: 64 * 1024,
+            idempotency_key: true,
+            instance_header: Some(HeaderName::from_static(crate::marks::INSTANCE_ID)),
+        })
+    }
+
+    /// The codes that may be retried (see [`RetryableCodes`]).
+    #[must_use]
+    pub fn with_retryable_codes(mut self, codes: RetryableCodes) -> Self {
+        self.retryable = codes;
+        self
+    }
+
+    /// The deadline for calls whose request carries no `grpc-timeout` header:
+    /// all attempts and waits of one call share it.
+    #[must_use]
+    pub fn with_total_timeout(mut self, timeout: Duration) -> Self {
+        self.total_timeout = Some(timeout);
+        self
+    }
+
+    /// Cuts each attempt after `timeout` (or at the call's deadline, if sooner),
+    /// so that one slow instance can be retried on another while the call's
+    /// deadline still has room.
+    ///
+    /// A per-attempt timeout does not make a slow service fast: when every
+    /// instance needs longer than `timeout`, every attempt times out and the
+    /// call fails with `DEADLINE_EXCEEDED` after using its attempts.
+    #[must_use]
+    pub fn with_attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// The least time worth sending an attempt with (default 20 ms: enough to
+    /// open a stream, encode a message and see a first byte). A retry is not
+    /// made when the call's remaining time is at most its backoff plus this.
+    #[must_use]
+    pub fn with_min_attempt_budget(mut self, budget: Duration) -> Self {
+        self.min_attempt_budget = budget;
+        self
+    }
+
+    /// The most request body bytes kept for replay (default 64 KiB). A call
+    /// whose body outgrows it is sent whole but not retried.
+    #[must_use]
+    pub fn with_replay_limit(mut self, bytes: usize) -> Self {
+        self.replay_limit = bytes;
+        self
+    }
+
+    /// Whether the layer generates an `x-idempotency-key` for requests that do
+    /// not carry one (default on). A key set by the caller is always kept.
+    #[must_use]
+    pub fn with_idempotency_key(mut self, generate: bool) -> Self {
+        self.idempotency_key = generate;
+        self
+    }
+
+    /// The response header naming the instance that answered (default
+    /// `x-instance-id`), or `None` to learn no instance ids. Instances that
+    /// failed an attempt are named on later attempts of the same call (see
+    /// [`AlreadyTried`](crate::AlreadyTried)).
+    #[must_use]
+    pub fn with_instance_header(mut self, header: Option<HeaderName>) -> Self {
+        self.instance_header = header;
+        self
+    }
+
+    /// The most attempts a call makes, first included.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The backoff before retry `retry` (1 for the first retry), with a fresh
+    /// random jitter on every call.
+    ///
+    /// The exponent is capped, so no index overflows; index 0 is treated as 1.
+    pub fn delay_before(&self, retry: u32) -> Duration {
+        let factor = if self.jitter > 0.0 {
+            1.0 + rand::rng().random_range(-self.jitter..=self.jitter)
+        } else {
+            1.0
+        };
+        self.jittered(retry, factor)
+    }
+
+    /// The delay before retry `retry` for a given jitter factor `1 + u`.
+    pub(crate) fn jittered(&self, retry: u32, factor: f64) -> Duration {
+        // 2^31 times any non-zero delay already exceeds any sane `max_delay`;
+        // saturating keeps even `Duration::MAX` settings from overflowing.
+        let shift = retry.saturating_sub(1).min(31);
+        let raw = self
+            .base_delay
+            .saturating_mul(1 << shift)
+            .min(self.max_delay);
+        Duration::try_from_secs_f64(raw.as_secs_f64() * factor).unwrap_or(raw)
+    }
+}
+
+impl Default for RetryPolicy {
+    /// 3 attempts, 20 ms base, 500 ms cap, ±20 % jitter.
+    fn default() -> Self {
+        Self::new(
+            3,
+            Duration::from_millis(20),
+            Duration::from_millis(500),
+            0.2,
+        )
+        .expect("the default policy is valid")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.max_attempts, 3);
+        assert_eq!(p.base_delay, 20 * MS);
+        assert_eq!(p.max_delay, 500 * MS);
+        assert_eq!(p.jitter, 0.2);
+        assert_eq!(p.min_attempt_budget, 20 * MS);
+        assert_eq!(p.replay_limit, 64 * 1024);
+        assert!(p.idempotency_key);
+        assert_eq!(p.retryable, RetryableCodes::default());
+    }
+
+    #[test]
+    fn first_two_retries_wait_the_documented_ranges() {
+        let p = RetryPolicy::default();
+        for _ in 0..1000 {
+            let d1 = p.delay_before(1);
+            assert!((16 * MS..=24 * MS).contains(&d1), "retry 1 waited {d1:?}");
+            let d2 = p.delay_before(2);
+            assert!((32 * MS..=48 * MS).contains(&d2), "retry 2 waited {d2:?}");
+        }
+    }
+
+    #[test]
+    fn delay_grows_then_caps() {
+        let p = RetryPolicy::new(5, 20 * MS, 500 * MS, 0.0).unwrap();
+        let got: Vec<_> = (1..=7).map(|k| p.delay_before(k)).collect();
+        assert_eq!(
+            got,
+            [
+                20 * MS,
+                40 * MS,
+                80 * MS,
+                160 * MS,
+                320 * MS,
+                500 * MS,
+                500 * MS
+            ]
+        );
+        assert_eq!(
+            p.delay_before(0),
+            20 * MS,
+            "index 0 reads as the first retry"
+        );
+    }
+
+    #[test]
+    fn huge_indexes_and_delays_do_not_overflow() {
+        let p = RetryPolicy::new(5, Duration::MAX, Duration::MAX, 1.0).unwrap();
+        for k in [1, 2, 32, 33, 64, u32::MAX] {
+            let _ = p.delay_before(k);
+        }
+        let p = RetryPolicy::new(5, 3 * MS, Duration::from_secs(u64::MAX / 4), 0.2).unwrap();
+        let d = p.delay_before(u32::MAX);
+        assert!(d > 3 * MS);
+        let zero = RetryPolicy::new(5, Duration::ZERO, Duration::ZERO, 0.2).unwrap();
+        assert_eq!(zero.delay_before(u32::MAX), Duration::ZERO);
+    }
+
+    #[test]
+    fn two_calls_do_not_share_one_jitter_sequence() {
+        let a = RetryPolicy::default();
+        let b = a.clone();
+        let seq_a: Vec<_> = (0..16).map(|_| a.delay_before(1)).collect();
+        let seq_b: Vec<_> = (0..16).map(|_| b.delay_before(1)).collect();
+        assert_ne!(seq_a, seq_b, "clones of one policy must draw independently");
+        let distinct: std::collections::HashSet<_> = seq_a.iter().collect();
+        assert!(
+            distinct.len() > 8,
+            "draws within one sequence repeat: {seq_a:?}"
+        );
+    }
+
+    #[test]
+    fn bad_settings_are_typed_errors_naming_the_field() {
+        let cases = [
+            (0, 20, 500, 0.2, "max_attempts"),
+            (6, 20, 500, 0.2, "max_attempts"),
+            (3, 500, 20, 0.2, "max_delay"),
+            (3, 20, 500, -0.1, "jitter"),
+            (3, 20, 500, 1.5, "jitter"),
+            (3, 20, 500, f64::NAN, "jitter"),
+            (3, 20, 500, f64::INFINITY, "jitter"),
+        ];
+        for (attempts, base, max, jitter, field) in cases {
+            let e = RetryPolicy::new(attempts, base * MS, max * MS, jitter).unwrap_err();
+            assert_eq!(e.field(), field);
+            assert!(
+                e.to_string().contains(field),
+                "message `{e}` names no field"
+            );
+        }
+    }
+
+    #[test]
+    fn retryable_codes_set_operations() {
+        let all: RetryableCodes = (0..=16).map(Code::from_i32).collect();
+        for n in 0..=16 {
+            assert!(all.contains(Code::from_i32(n)));
+            assert!(!RetryableCodes::empty().contains(Code::from_i32(n)));
+        }
+        let d = RetryableCodes::default();
+        assert_eq!(
+            format!("{d:?}"),
+            "{DeadlineExceeded, ResourceExhausted, Unavailable}"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn every_draw_is_within_bounds(
+            base_ms in 0u64..10_000,
+            extra_ms in 0u64..100_000,
+            jitter in 0.0f64..=1.0,
+            retry in 1u32..200,
+        ) {
+            let base = Duration::from_millis(base_ms);
+            let max = base + Duration::from_millis(extra_ms);
+            let p = RetryPolicy::new(5, base, max, jitter).unwrap();
+            let shift = (retry - 1).min(31);
+            let raw = base.saturating_mul(1 << shift).min(max);
+            let d = p.delay_before(retry);
+            let lo = raw.as_secs_f64() * (1.0 - jitter);
+            let hi = raw.as_secs_f64() * (1.0 + jitter);
+            prop_assert!(d.as_secs_f64() >= lo - 1e-9 && d.as_secs_f64() <= hi + 1e-9,
+                "retry {} drew {:?}, outside [{}, {}]", retry, d, lo, hi);
+        }
+    }
+}

@@ -1,0 +1,550 @@
+//! A request body that can be sent again.
+//!
+//! The first attempt streams the body as the caller produces it — nothing waits
+//! for the body to end — while a copy of each chunk (a `Bytes` clone, so no
+//! bytes are copied) is kept, up to a limit. A clone made for a retry first
+//! replays the kept chunks, then goes on reading the caller's body where the
+//! earlier attempt left off, so a retry can even start before the caller has
+//! finished sending. Trailers are kept and replayed too.
+//!
+//! Once the body outgrows the limit, the copy is dropped: the attempt that is
+//! reading carries on and delivers the body whole, but the body can no longer be
+//! replayed, and the layer does not retry the call. A clone that would need
+//! dropped chunks fails with [`ReplayError`] rather than send a truncated body.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use tower::BoxError;
+
+/// A request body shared by every attempt of one call; see the
+/// [module docs](self).
+///
+/// Clones share one source and one copy; each clone reads the whole body from
+/// its start.
+pub struct ReplayBody<B> {
+    shared: Arc<Mutex<Shared<B>>>,
+    /// The next chunk this clone yields.
+    pos: usize,
+    /// Whether this clone has yielded the trailers.
+    trailers_sent: bool,
+}
+
+struct Shared<B> {
+    /// The caller's body, while it has more to give.
+    source: Option<B>,
+    /// A copy of every data chunk read so far, until the limit is passed.
+    chunks: Vec<Bytes>,
+    /// Data chunks read from the source, including ones no longer kept.
+    read: usize,
+    /// Bytes read from the source.
+    bytes: usize,
+    limit: usize,
+    capped: bool,
+    ended: bool,
+    failed: bool,
+    trailers: Option<HeaderMap>,
+    /// Clones waiting for the source to make progress.
+    waiting: Vec<Waker>,
+}
+
+/// Why a clone of a [`ReplayBody`] could not give the whole body again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// The body outgrew the replay limit, so its copy was dropped.
+    Capped,
+    /// The caller's body failed while an earlier attempt was reading it.
+    SourceFailed,
+}
+
+impl fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReplayError::Capped => "request body outgrew the replay limit and cannot be sent again",
+            ReplayError::SourceFailed => "request body failed on an earlier attempt",
+        })
+    }
+}
+
+impl std::error::Error for ReplayError {}
+
+impl<B: Body> ReplayBody<B> {
+    /// Wraps `body`, keeping a copy of at most `limit` bytes for replay.
+    ///
+    /// A body whose size hint already says it is larger than `limit` keeps no
+    /// copy at all: it is sent once, as it is, and is never replayable.
+    pub fn new(body: B, limit: usize) -> Self {
+        let capped = body.size_hint().lower() > limit as u64;
+        ReplayBody {
+            shared: Arc::new(Mutex::new(Shared {
+                source: Some(body),
+                chunks: Vec::new(),
+                read: 0,
+                bytes: 0,
+                limit,
+                capped,
+                ended: false,
+                failed: false,
+                trailers: None,
+                waiting: Vec::new(),
+            })),
+            pos: 0,
+            trailers_sent: false,
+        }
+    }
+}
+
+impl<B> ReplayBody<B> {
+    fn lock(&self) -> MutexGuard<'_, Shared<B>> {
+        // A poisoned lock only means a body poll panicked elsewhere; the counts
+        // it guards are updated atomically with respect to that, so go on.
+        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a new clone could still send the whole body: the copy has not
+    /// been dropped and the caller's body has not failed.
+    pub fn is_replayable(&self) -> bool {
+        let shared = self.lock();
+        !shared.capped && !shared.failed
+    }
+
+    /// Whether the body outgrew the replay limit.
+    pub fn is_capped(&self) -> bool {
+        self.lock().capped
+    }
+
+    /// Whether the caller's body has been read to its end.
+    pub fn is_complete(&self) -> bool {
+        self.lock().ended
+    }
+}
+
+impl<B> Shared<B> {
+    fn wake_waiting(&mut self) {
+        for waker in self.waiting.drain(..) {
+            waker.wake();
+        }
+    }
+
+    fn wait(&mut self, cx: &Context<'_>) {
+        if !self.waiting.iter().any(|w| w.will_wake(cx.waker())) {
+            self.waiting.push(cx.waker().clone());
+        }
+    }
+
+    fn keep(&mut self, chunk: &Bytes) {
+        self.read += 1;
+        self.bytes = self.bytes.saturating_add(chunk.len());
+        if self.capped {
+            return;
+        }
+        if self.bytes > self.limit {
+            tracing::debug!(
+                limit = self.limit,
+                "request body outgrew the replay limit; the call will not be retried"
+            );
+            self.capped = true;
+            self.chunks = Vec::new();
+        } else {
+            self.chunks.push(chunk.clone());
+        }
+    }
+}
+
+impl<B> Body for ReplayBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let mut guard = this.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        let shared = &mut *guard;
+
+        // Replay what an earlier attempt already read.
+        if this.pos < shared.read {
+            if shared.capped {
+                return Poll::Ready(Some(Err(ReplayError::Capped.into())));
+            }
+            let chunk = shared.chunks[this.pos].clone();
+            this.pos += 1;
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        if shared.failed {
+            return Poll::Ready(Some(Err(ReplayError::SourceFailed.into())));
+        }
+        if shared.ended {
+            return Poll::Ready(match &shared.trailers {
+                Some(trailers) if !this.trailers_sent => {
+                    this.trailers_sent = true;
+                    Some(Ok(Frame::trailers(trailers.clone())))
+                }
+                _ => None,
+            });
+        }
+
+        // This clone is at the front: read on from the caller's body.
+        let Some(source) = shared.source.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(source).poll_frame(cx);
+        let out = match polled {
+            Poll::Pending => {
+                shared.wait(cx);
+                return Poll::Pending;
+            }
+            Poll::Ready(None) => {
+                shared.ended = true;
+                shared.source = None;
+                None
+            }
+            Poll::Ready(Some(Err(e))) => {
+                shared.failed = true;
+                shared.source = None;
+                Some(Err(e.into()))
+            }
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(chunk) => {
+                    shared.keep(&chunk);
+                    this.pos += 1;
+                    Some(Ok(Frame::data(chunk)))
+                }
+                Err(frame) => match frame.into_trailers() {
+                    Ok(trailers) => {
+                        // Trailers end an HTTP body.
+                        shared.trailers = Some(trailers.clone());
+                        shared.ended = true;
+                        shared.source = None;
+                        this.trailers_sent = true;
+                        Some(Ok(Frame::trailers(trailers)))
+                    }
+                    // A frame kind this crate does not know: pass it on once.
+                    Err(frame) => Some(Ok(frame)),
+                },
+            },
+        };
+        // Other clones may be waiting on what this one just read.
+        shared.wake_waiting();
+        Poll::Ready(out)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let shared = self.lock();
+        if self.pos < shared.read {
+            return false;
+        }
+        if shared.ended {
+            return shared.trailers.is_none() || self.trailers_sent;
+        }
+        !shared.failed && shared.source.as_ref().is_some_and(B::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let shared = self.lock();
+        if shared.capped && self.pos < shared.read {
+            return SizeHint::default();
+        }
+        let kept: u64 = shared.chunks[self.pos.min(shared.chunks.len())..]
+            .iter()
+            .map(|c| c.len() as u64)
+            .sum();
+        match &shared.source {
+            None => SizeHint::with_exact(kept),
+            Some(source) => {
+                let rest = source.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower().saturating_add(kept));
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper.saturating_add(kept));
+                }
+                hint
+            }
+        }
+    }
+}
+
+impl<B> Clone for ReplayBody<B> {
+    /// A clone that reads the body again from its start.
+    fn clone(&self) -> Self {
+        ReplayBody {
+            shared: Arc::clone(&self.shared),
+            pos: 0,
+            trailers_sent: false,
+        }
+    }
+}
+
+impl<B> Drop for ReplayBody<B> {
+    fn drop(&mut self) {
+        // If this clone was the one the source would wake, whoever waits must
+        // poll the source themselves now.
+        let mut shared = self.lock();
+        shared.wake_waiting();
+    }
+}
+
+impl<B> fmt::Debug for ReplayBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shared = self.lock();
+        f.debug_struct("ReplayBody")
+            .field("pos", &self.pos)
+            .field("read", &shared.read)
+            .field("bytes", &shared.bytes)
+            .field("limit", &shared.limit)
+            .field("capped", &shared.capped)
+            .field("ended", &shared.ended)
+            .finish()
+    }
+}
+
+impl<B> From<ReplayBody<B>> for tonic::body::Body
+where
+    B: Body<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    fn from(body: ReplayBody<B>) -> Self {
+        tonic::body::Body::new(body)
+    }
+}
+
+impl<B> From<ReplayBody<B>> for http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>
+where
+    B: Body<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    fn from(body: ReplayBody<B>) -> Self {
+        http_body_util::combinators::UnsyncBoxBody::new(body)
+    }
+}
+
+impl<B> From<ReplayBody<B>> for http_body_util::combinators::BoxBody<Bytes, BoxError>
+where
+    B: Body<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    fn from(body: ReplayBody<B>) -> Self {
+        http_body_util::combinators::BoxBody::new(body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, StreamBody};
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::UnboundedReceiverStream;
+
+    type Source = StreamBody<UnboundedReceiverStream<Result<Frame<Bytes>, BoxError>>>;
+
+    /// A body fed by hand: returns the sender and the wrapped body.
+    fn fixture(
+        limit: usize,
+    ) -> (
+        mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>,
+        ReplayBody<Source>,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let body = ReplayBody::new(StreamBody::new(UnboundedReceiverStream::new(rx)), limit);
+        (tx, body)
+    }
+
+    fn data(s: &'static str) -> Result<Frame<Bytes>, BoxError> {
+        Ok(Frame::data(Bytes::from_static(s.as_bytes())))
+    }
+
+    fn trailers(k: &'static str, v: &'static str) -> HeaderMap {
+        let mut t = HeaderMap::new();
+        t.insert(k, v.parse().unwrap());
+        t
+    }
+
+    async fn collect(body: ReplayBody<Source>) -> (Vec<u8>, Option<HeaderMap>) {
+        let c = body
+            .collect()
+            .await
+            .expect("body should be collected whole");
+        let t = c.trailers().cloned();
+        (c.to_bytes().to_vec(), t)
+    }
+
+    #[tokio::test]
+    async fn one_chunk_replays() {
+        let (tx, first) = fixture(64);
+        let second = first.clone();
+        tx.send(data("hello")).unwrap();
+        drop(tx);
+        assert_eq!(collect(first).await.0, b"hello");
+        assert!(second.is_replayable());
+        assert_eq!(
+            collect(second).await.0,
+            b"hello",
+            "the retry sends the same bytes"
+        );
+    }
+
+    #[tokio::test]
+    async fn many_chunks_and_trailers_replay_in_order() {
+        let (tx, first) = fixture(64);
+        let second = first.clone();
+        for s in ["a", "bc", "def"] {
+            tx.send(data(s)).unwrap();
+        }
+        tx.send(Ok(Frame::trailers(trailers("x-sum", "6"))))
+            .unwrap();
+        drop(tx);
+        let (bytes, t) = collect(first).await;
+        assert_eq!(bytes, b"abcdef");
+        assert_eq!(t.unwrap()["x-sum"], "6");
+        let (bytes, t) = collect(second).await;
+        assert_eq!(bytes, b"abcdef");
+        assert_eq!(t.expect("trailers should be replayed")["x-sum"], "6");
+    }
+
+    #[tokio::test]
+    async fn replay_is_zero_copy() {
+        let (tx, mut first) = fixture(64);
+        let mut second = first.clone();
+        tx.send(data("shared")).unwrap();
+        let a = first.frame().await.unwrap().unwrap().into_data().unwrap();
+        let b = second.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(
+            a.as_ptr(),
+            b.as_ptr(),
+            "the replayed chunk is the same memory"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_clone_switched_in_mid_body_replays_then_reads_on() {
+        let (tx, mut first) = fixture(64);
+        let second = first.clone();
+        tx.send(data("one ")).unwrap();
+        assert_eq!(
+            first.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "one "
+        );
+        // The first attempt fails here; its body is dropped mid-stream.
+        drop(first);
+        tx.send(data("two")).unwrap();
+        drop(tx);
+        assert_eq!(collect(second).await.0, b"one two");
+    }
+
+    #[tokio::test]
+    async fn two_clones_reading_at_once_both_see_everything() {
+        let (tx, first) = fixture(64);
+        let second = first.clone();
+        let feed = async move {
+            for s in ["x", "y", "z"] {
+                tokio::task::yield_now().await;
+                tx.send(data(s)).unwrap();
+            }
+        };
+        let (a, b, ()) = tokio::join!(collect(first), collect(second), feed);
+        assert_eq!(a.0, b"xyz");
+        assert_eq!(b.0, b"xyz", "the waiting clone was woken");
+    }
+
+    #[tokio::test]
+    async fn over_the_limit_the_body_is_delivered_whole_but_not_replayable() {
+        let (tx, first) = fixture(8);
+        let mut second = first.clone();
+        for s in ["1234", "5678", "9"] {
+            tx.send(data(s)).unwrap();
+        }
+        drop(tx);
+        assert_eq!(collect(first).await.0, b"123456789", "never truncated");
+        assert!(!second.is_replayable());
+        assert!(second.is_capped());
+        let err = second.frame().await.unwrap().unwrap_err();
+        assert_eq!(
+            err.downcast_ref::<ReplayError>(),
+            Some(&ReplayError::Capped)
+        );
+    }
+
+    #[tokio::test]
+    async fn exactly_the_limit_is_still_replayable() {
+        let (tx, first) = fixture(8);
+        let second = first.clone();
+        tx.send(data("12345678")).unwrap();
+        drop(tx);
+        assert_eq!(collect(first).await.0, b"12345678");
+        assert!(second.is_replayable());
+        assert_eq!(collect(second).await.0, b"12345678");
+    }
+
+    #[tokio::test]
+    async fn a_size_hint_over_the_limit_keeps_nothing() {
+        let body = ReplayBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"0123456789")),
+            4,
+        );
+        assert!(body.is_capped());
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes, "0123456789");
+    }
+
+    #[tokio::test]
+    async fn a_failed_source_fails_later_clones_too() {
+        let (tx, mut first) = fixture(64);
+        let mut second = first.clone();
+        tx.send(Err("boom".into())).unwrap();
+        assert!(first.frame().await.unwrap().is_err());
+        assert!(!second.is_replayable());
+        let err = second.frame().await.unwrap().unwrap_err();
+        assert_eq!(
+            err.downcast_ref::<ReplayError>(),
+            Some(&ReplayError::SourceFailed)
+        );
+    }
+
+    #[tokio::test]
+    async fn end_of_stream_and_size_hints() {
+        let body = ReplayBody::new(http_body_util::Empty::<Bytes>::new(), 4);
+        assert!(
+            body.is_end_stream(),
+            "an empty body says so before being polled"
+        );
+        let full = ReplayBody::new(http_body_util::Full::new(Bytes::from_static(b"abc")), 64);
+        assert_eq!(full.size_hint().exact(), Some(3));
+        let again = full.clone();
+        let (bytes, _) = {
+            let c = full.collect().await.unwrap();
+            (c.to_bytes(), ())
+        };
+        assert_eq!(bytes, "abc");
+        assert_eq!(
+            again.size_hint().exact(),
+            Some(3),
+            "replay knows its exact size"
+        );
+        assert!(!again.is_end_stream());
+        assert_eq!(again.collect().await.unwrap().to_bytes(), "abc");
+    }
+
+    #[tokio::test]
+    async fn the_first_attempt_streams_before_the_body_ends() {
+        let (tx, mut first) = fixture(64);
+        tx.send(data("early")).unwrap();
+        // The sender is still open: the body has not ended, yet the chunk flows.
+        let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(chunk, "early");
+        assert!(!first.is_complete());
+        drop(tx);
+        assert!(first.frame().await.is_none());
+        assert!(first.is_complete());
+    }
+}

@@ -1,0 +1,130 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use tokio::time::Instant;
+use tower::BoxError;
+use tower::retry::Retry;
+use tower_service::Service;
+
+use crate::attempt::{Attempt, CallPolicy};
+use crate::body::ResponseBody;
+use crate::budget::RetryBudget;
+use crate::deadline::{GRPC_TIMEOUT, parse_grpc_timeout};
+use crate::future::ResponseFuture;
+use crate::marks::{IDEMPOTENCY_KEY, new_idempotency_key};
+use crate::metrics::RetryMetrics;
+use crate::policy::RetryPolicy;
+use crate::replay::ReplayBody;
+
+/// What every call through one layer shares.
+pub(crate) struct Shared {
+    pub(crate) policy: RetryPolicy,
+    pub(crate) budget: RetryBudget,
+    pub(crate) metrics: RetryMetrics,
+}
+
+/// Retries gRPC calls to the inner service; see the [crate docs](crate).
+///
+/// Made by [`RetryLayer`](crate::RetryLayer). The inner service's error type is
+/// kept, so a tonic generated client accepts the wrapped service as it accepted
+/// the inner one.
+#[derive(Clone)]
+pub struct RetryService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> RetryService<S> {
+    /// Wraps `inner`, retrying by `policy` and paying from `budget`.
+    pub fn new(inner: S, policy: RetryPolicy, budget: RetryBudget) -> Self {
+        let shared = Arc::new(Shared {
+            policy,
+            budget,
+            metrics: RetryMetrics::default(),
+        });
+        Self::from_shared(inner, shared)
+    }
+
+    pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
+        Self { inner, shared }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// The budget retries are paid from.
+    pub fn budget(&self) -> &RetryBudget {
+        &self.shared.budget
+    }
+
+    /// What this service (and every other made by the same layer) has done.
+    pub fn metrics(&self) -> &RetryMetrics {
+        &self.shared.metrics
+    }
+}
+
+impl<S, B, RB> Service<Request<B>> for RetryService<S>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<RB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, B, RB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let policy = &self.shared.policy;
+        let (mut parts, body) = req.into_parts();
+
+        // One deadline for the whole call, on tokio's clock so tests can pause it.
+        let timeout = match parts.headers.get(GRPC_TIMEOUT) {
+            Some(value) => parse_grpc_timeout(value).or(policy.total_timeout),
+            None => policy.total_timeout,
+        };
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+
+        if policy.idempotency_key && !parts.headers.contains_key(IDEMPOTENCY_KEY) {
+            parts.headers.insert(IDEMPOTENCY_KEY, new_idempotency_key());
+        }
+        let req = Request::from_parts(parts, ReplayBody::new(body, policy.replay_limit));
+
+        // NOTE: `poll_ready` readied `self.inner`; that instance must make the
+        // first attempt, so it goes to the call and a fresh clone stays here.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let attempt = Attempt::new(inner, deadline, policy.attempt_timeout);
+        let call = CallPolicy::new(Arc::clone(&self.shared), deadline);
+        ResponseFuture::new(Retry::new(call, attempt).call(req))
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for RetryService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryService")
+            .field("inner", &self.inner)
+            .field("policy", &self.shared.policy)
+            .field("budget", &self.shared.budget)
+            .finish()
+    }
+}
