@@ -13,7 +13,9 @@ use tower::retry::Policy;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::classify::{Verdict, classify_error, classify_response, repair_status_details};
+use crate::classify::{
+    Verdict, classify_error, classify_response, code_name, repair_status_details,
+};
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout};
 use crate::future::AttemptFuture;
 use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS};
@@ -194,17 +196,28 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         let (code, server_delay) = match verdict {
             Verdict::Committed | Verdict::Final(Code::Ok) => {
                 budget.deposit();
-                tracing::debug!(attempt, code = ?verdict.code(), ?remaining, "attempt succeeded");
+                tracing::debug!(
+                    attempt,
+                    code = code_name(verdict.code()),
+                    ?remaining,
+                    "attempt succeeded"
+                );
                 self.finish(result, now);
                 return None;
             }
             Verdict::Final(code) => {
-                tracing::debug!(attempt, ?code, ?remaining, "attempt failed; not retryable");
+                tracing::debug!(
+                    attempt,
+                    code = code_name(code),
+                    ?remaining,
+                    "attempt failed; not retryable"
+                );
                 self.finish(result, now);
                 return None;
             }
             Verdict::Retryable { code, server_delay } => (code, server_delay),
         };
+        let name = code_name(code);
 
         if let (Some(header), Ok(response)) = (&policy.instance_header, &*result) {
             if let Some(id) = response.headers().get(header) {
@@ -214,7 +227,7 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         if self.sent >= policy.max_attempts {
             tracing::debug!(
                 attempt,
-                ?code,
+                code = name,
                 ?remaining,
                 "attempt failed; no attempts left"
             );
@@ -224,7 +237,7 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         if !req.body().is_replayable() {
             tracing::debug!(
                 attempt,
-                ?code,
+                code = name,
                 "attempt failed; request body cannot be replayed"
             );
             self.finish(result, now);
@@ -246,12 +259,12 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         if let Some(left) = remaining {
             if left <= delay.saturating_add(policy.min_attempt_budget) {
                 metrics.record(Event::RefusedByDeadline);
-                tracing::debug!(attempt, ?code, ?delay, remaining = ?left, "no time left for another attempt");
+                tracing::debug!(attempt, code = name, ?delay, remaining = ?left, "no time left for another attempt");
                 let message = if left.is_zero() {
-                    format!("call deadline exceeded; attempt {attempt} ended with {code:?}")
+                    format!("call deadline exceeded; attempt {attempt} ended with {name}")
                 } else {
                     format!(
-                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {code:?}"
+                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
                     )
                 };
                 *result = Ok(status_response(Code::DeadlineExceeded, message));
@@ -262,13 +275,13 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
             metrics.record(Event::RefusedByBudget);
             tracing::debug!(
                 attempt,
-                ?code,
+                code = name,
                 tokens = budget.available(),
                 "retry budget exhausted"
             );
             *result = Ok(status_response(
                 Code::ResourceExhausted,
-                format!("retry budget exhausted; attempt {attempt} ended with {code:?}"),
+                format!("retry budget exhausted; attempt {attempt} ended with {name}"),
             ));
             return None;
         }
@@ -276,7 +289,7 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         metrics.record(Event::Retry);
         tracing::debug!(
             attempt,
-            ?code,
+            code = name,
             ?delay,
             ?remaining,
             tokens = budget.available(),

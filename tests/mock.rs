@@ -1,0 +1,763 @@
+//! The layer against `tower-test` mocks, under paused tokio time: every wait is
+//! virtual and exact, so timings are asserted to the instant.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{AlreadyTried, ResponseBody, RetryBudget, RetryLayer, RetryPolicy};
+use tonic_types::{ErrorDetails, StatusExt};
+use tower::{BoxError, Layer, Service, ServiceExt};
+use tower_test::mock;
+
+const MS: Duration = Duration::from_millis(1);
+
+type Handle = mock::Handle<Request<Body>, Response<Body>>;
+type Svc = tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>>;
+type Outcome = Result<Response<ResponseBody<Body>>, BoxError>;
+
+fn budget() -> RetryBudget {
+    RetryBudget::new(200, 0.1).unwrap()
+}
+
+fn setup(policy: RetryPolicy, budget: RetryBudget) -> (Svc, Handle, RetryLayer) {
+    let layer = RetryLayer::new(policy, budget);
+    let (inner, handle) = mock::pair();
+    (layer.layer(inner), handle, layer)
+}
+
+fn request() -> Request<Body> {
+    Request::builder()
+        .method("POST")
+        .uri("http://library/library.v1.Library/GetBook")
+        .header("content-type", "application/grpc")
+        .body(Body::new(http_body_util::Full::new(Bytes::from_static(
+            b"\0\0\0\0\x05hello",
+        ))))
+        .unwrap()
+}
+
+fn with_timeout(mut req: Request<Body>, value: &'static str) -> Request<Body> {
+    req.headers_mut()
+        .insert("grpc-timeout", HeaderValue::from_static(value));
+    req
+}
+
+/// A Trailers-Only response, as a tonic server sends an early error.
+fn status(code: Code) -> Response<Body> {
+    tonic::Status::new(code, "from the server").into_http()
+}
+
+fn status_from(instance: &'static str, code: Code) -> Response<Body> {
+    let mut r = status(code);
+    r.headers_mut()
+        .insert("x-instance-id", HeaderValue::from_static(instance));
+    r
+}
+
+/// A normal response: headers without `grpc-status`, the status in trailers.
+fn ok() -> Response<Body> {
+    Response::builder()
+        .header("content-type", "application/grpc")
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn code_of<B>(r: &Response<B>) -> Code {
+    match r.headers().get("grpc-status") {
+        Some(v) => Code::from_bytes(v.as_bytes()),
+        None => Code::Ok,
+    }
+}
+
+fn message_of<B>(r: &Response<B>) -> String {
+    tonic::Status::from_header_map(r.headers())
+        .map(|s| s.message().to_owned())
+        .unwrap_or_default()
+}
+
+/// Starts a call through the service on its own task.
+async fn spawn_call(svc: &mut Svc, req: Request<Body>) -> tokio::task::JoinHandle<Outcome> {
+    let svc = svc.ready().await.expect("mock is ready");
+    tokio::spawn(svc.call(req))
+}
+
+async fn next(handle: &mut Handle) -> (Request<Body>, mock::SendResponse<Response<Body>>, Instant) {
+    let (req, send) = handle
+        .next_request()
+        .await
+        .expect("an attempt should arrive");
+    (req, send, Instant::now())
+}
+
+#[tokio::test(start_paused = true)]
+async fn unavailable_is_retried_until_success() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    let response = call.await.unwrap().expect("a response");
+    assert_eq!(code_of(&response), Code::Ok);
+    assert_eq!(layer.metrics().attempts(), 3);
+    assert_eq!(layer.metrics().retries(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn backoff_waits_the_jittered_exponential_delay() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, t0) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, t1) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, t2) = next(&mut handle).await;
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+    let (d1, d2) = (t1 - t0, t2 - t1);
+    assert!(
+        (16 * MS..=24 * MS).contains(&d1),
+        "first retry waited {d1:?}"
+    );
+    assert!(
+        (32 * MS..=48 * MS).contains(&d2),
+        "second retry waited {d2:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn final_codes_are_never_retried() {
+    for code in [
+        Code::Aborted,
+        Code::NotFound,
+        Code::InvalidArgument,
+        Code::PermissionDenied,
+        Code::Unauthenticated,
+        Code::Unimplemented,
+        Code::Internal,
+        Code::AlreadyExists,
+        Code::FailedPrecondition,
+        Code::ResourceExhausted,
+        Code::Cancelled,
+        Code::Unknown,
+    ] {
+        let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+        let call = spawn_call(&mut svc, request()).await;
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(status(code));
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(code_of(&response), code);
+        assert_eq!(
+            message_of(&response),
+            "from the server",
+            "{code:?} passed untouched"
+        );
+        assert_eq!(layer.metrics().attempts(), 1, "{code:?} was retried");
+        assert_eq!(layer.budget().available(), 100.0, "{code:?} spent a token");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_run_out_with_the_last_status() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    for _ in 0..3 {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(status(Code::Unavailable));
+    }
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(layer.metrics().attempts(), 3);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "a fourth attempt was sent"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn transport_errors_are_retried_as_unavailable() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_error("connection refused");
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+#[tokio::test(start_paused = true)]
+async fn http_503_without_grpc_status_is_retried() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(Response::builder().status(503).body(Body::empty()).unwrap());
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+#[tokio::test(start_paused = true)]
+async fn committed_responses_are_never_retried() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    // Headers start the response normally; the failure comes in the trailers.
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("14"));
+    let body = http_body_util::StreamBody::new(tokio_stream::iter([
+        Ok::<_, tonic::Status>(Frame::data(Bytes::from_static(b"partial"))),
+        Ok(Frame::trailers(trailers)),
+    ]));
+    send.send_response(
+        Response::builder()
+            .header("content-type", "application/grpc")
+            .header("x-custom", "kept")
+            .body(Body::new(body))
+            .unwrap(),
+    );
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(response.headers()["x-custom"], "kept");
+    let collected = response.into_body().collect().await.unwrap();
+    assert_eq!(collected.trailers().unwrap()["grpc-status"], "14");
+    assert_eq!(collected.to_bytes(), "partial");
+    assert_eq!(layer.metrics().attempts(), 1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(handle.next_request().now_or_never().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
+    let deadline = start + Duration::from_secs(1);
+    let mut seen = Vec::new();
+    for n in 0..3 {
+        let (req, send, at) = next(&mut handle).await;
+        let header = req.headers()["grpc-timeout"].to_str().unwrap().to_owned();
+        seen.push((header, deadline - at));
+        // Each attempt takes 100 ms to fail.
+        tokio::time::sleep(100 * MS).await;
+        send.send_response(if n < 2 {
+            status(Code::Unavailable)
+        } else {
+            ok()
+        });
+    }
+    call.await.unwrap().unwrap();
+    let mut last = Duration::MAX;
+    for (header, left) in &seen {
+        let parsed = parse_timeout(header);
+        assert!(
+            parsed >= *left && parsed - *left < Duration::from_micros(1),
+            "{header} for {left:?}"
+        );
+        assert!(parsed < last, "grpc-timeout did not shrink: {seen:?}");
+        last = parsed;
+    }
+    assert_eq!(
+        seen[0].0, "1000000u",
+        "the first attempt has the whole second"
+    );
+}
+
+fn parse_timeout(s: &str) -> Duration {
+    let (n, unit) = s.split_at(s.len() - 1);
+    let n: u64 = n.parse().unwrap();
+    match unit {
+        "n" => Duration::from_nanos(n),
+        "u" => Duration::from_micros(n),
+        "m" => Duration::from_millis(n),
+        "S" => Duration::from_secs(n),
+        other => panic!("unexpected unit {other}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_retry_without_room_for_backoff_plus_minimum_attempt() {
+    let policy = RetryPolicy::new(5, 20 * MS, 500 * MS, 0.0).unwrap();
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, with_timeout(request(), "100m")).await;
+    // Attempt 1 fails at 30 ms: 70 ms left > 20 ms backoff + 20 ms: retried.
+    let (_, send, _) = next(&mut handle).await;
+    tokio::time::sleep(30 * MS).await;
+    send.send_response(status(Code::Unavailable));
+    // Attempt 2 starts at 50 ms and fails at 70 ms: 30 ms left <= 40 ms + 20 ms.
+    let (_, send, at) = next(&mut handle).await;
+    assert_eq!(at - start, 50 * MS);
+    tokio::time::sleep(20 * MS).await;
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(
+        Instant::now() - start,
+        70 * MS,
+        "failed at once, without sleeping"
+    );
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    let message = message_of(&response);
+    assert!(message.contains("no time left"), "{message}");
+    assert!(
+        message.contains("UNAVAILABLE"),
+        "names the last code: {message}"
+    );
+    assert_eq!(layer.metrics().refused_by_deadline(), 1);
+    assert_eq!(
+        layer.budget().available(),
+        99.0,
+        "only the one retry sent was paid for"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_attempt_is_cut_at_the_deadline() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, with_timeout(request(), "250m")).await;
+    let (_, _send, _) = next(&mut handle).await; // never answered
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(Instant::now() - start, 250 * MS);
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(response.headers()["content-type"], "application/grpc");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_inner_timeout_error_at_the_deadline_reads_as_deadline_exceeded() {
+    // tonic's Channel enforces `grpc-timeout` itself and fails with a transport
+    // error (which tonic's client reports as CANCELLED). The caller must see
+    // DEADLINE_EXCEEDED.
+    let policy = RetryPolicy::new(1, 20 * MS, 500 * MS, 0.2).unwrap();
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "100m")).await;
+    let (_, send, _) = next(&mut handle).await;
+    tokio::time::sleep(100 * MS).await;
+    send.send_error("timeout expired");
+    let response = call
+        .await
+        .unwrap()
+        .expect("a status, not the transport error");
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_exceeded_from_a_hop_is_retried_while_time_remains() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::DeadlineExceeded));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+#[tokio::test(start_paused = true)]
+async fn per_attempt_timeout_retries_a_slow_hop() {
+    let policy = RetryPolicy::default().with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
+    let (req, _slow, _) = next(&mut handle).await;
+    assert_eq!(
+        req.headers()["grpc-timeout"],
+        "100000u",
+        "the shorter of the two limits"
+    );
+    let (_, send, at) = next(&mut handle).await;
+    assert!(
+        at - start >= 116 * MS && at - start <= 124 * MS,
+        "{:?}",
+        at - start
+    );
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(layer.metrics().retries(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_total_timeout_applies_when_the_request_has_none() {
+    let policy = RetryPolicy::default().with_total_timeout(300 * MS);
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (req, _never, _) = next(&mut handle).await;
+    assert_eq!(req.headers()["grpc-timeout"], "300000u");
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_empty_budget_stops_retries() {
+    // Two tokens at most, so one to start with.
+    let budget = RetryBudget::new(2, 0.1).unwrap();
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget);
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::ResourceExhausted);
+    let message = message_of(&response);
+    assert!(message.contains("retry budget exhausted"), "{message}");
+    assert!(message.contains("UNAVAILABLE"), "{message}");
+    assert_eq!(layer.metrics().refused_by_budget(), 1);
+    assert_eq!(layer.budget().available(), 0.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn successes_refill_the_budget() {
+    let budget = RetryBudget::new(2, 0.5).unwrap();
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget);
+    for _ in 0..2 {
+        let call = spawn_call(&mut svc, request()).await;
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(layer.budget().available(), 2.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_idempotency_key_for_every_attempt() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let mut keys = Vec::new();
+    for n in 0..3 {
+        let (req, send, _) = next(&mut handle).await;
+        keys.push(req.headers()["x-idempotency-key"].clone());
+        send.send_response(if n < 2 {
+            status(Code::Unavailable)
+        } else {
+            ok()
+        });
+    }
+    call.await.unwrap().unwrap();
+    assert_eq!(keys[0].len(), 32, "128 bits in hex");
+    assert!(keys.iter().all(|k| *k == keys[0]), "{keys:?}");
+
+    // A second call gets a key of its own.
+    let call2 = spawn_call(&mut svc, request()).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert_ne!(req.headers()["x-idempotency-key"], keys[0]);
+    send.send_response(ok());
+    call2.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_callers_key_is_kept_and_generation_can_be_off() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let mut req = request();
+    req.headers_mut()
+        .insert("x-idempotency-key", HeaderValue::from_static("order-42"));
+    let call = spawn_call(&mut svc, req).await;
+    for n in 0..2 {
+        let (req, send, _) = next(&mut handle).await;
+        assert_eq!(req.headers()["x-idempotency-key"], "order-42");
+        send.send_response(if n == 0 {
+            status(Code::Unavailable)
+        } else {
+            ok()
+        });
+    }
+    call.await.unwrap().unwrap();
+
+    let (mut svc, mut handle, _) =
+        setup(RetryPolicy::default().with_idempotency_key(false), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert!(!req.headers().contains_key("x-idempotency-key"));
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_are_numbered_and_failed_instances_marked() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+
+    let (req, send, _) = next(&mut handle).await;
+    assert!(!req.headers().contains_key("grpc-previous-rpc-attempts"));
+    assert!(!req.headers().contains_key("x-already-tried"));
+    assert!(req.extensions().get::<AlreadyTried>().is_none());
+    send.send_response(status_from("instance-a", Code::Unavailable));
+
+    let (req, send, _) = next(&mut handle).await;
+    assert_eq!(req.headers()["grpc-previous-rpc-attempts"], "1");
+    assert_eq!(req.headers()["x-already-tried"], "instance-a");
+    let tried = req.extensions().get::<AlreadyTried>().expect("typed mark");
+    assert!(tried.contains("instance-a") && tried.len() == 1);
+    send.send_response(status_from("instance-b", Code::Unavailable));
+
+    let (req, send, _) = next(&mut handle).await;
+    assert_eq!(req.headers()["grpc-previous-rpc-attempts"], "2");
+    assert_eq!(req.headers()["x-already-tried"], "instance-a,instance-b");
+    let tried: Vec<_> = req
+        .extensions()
+        .get::<AlreadyTried>()
+        .unwrap()
+        .iter()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(tried, ["instance-a", "instance-b"]);
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn resource_exhausted_waits_the_servers_retry_delay() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, t0) = next(&mut handle).await;
+    let status = tonic::Status::with_error_details(
+        Code::ResourceExhausted,
+        "rate limited",
+        ErrorDetails::with_retry_info(Some(Duration::from_millis(1_500))),
+    );
+    send.send_response(status.into_http());
+    let (_, send, t1) = next(&mut handle).await;
+    assert_eq!(
+        t1 - t0,
+        Duration::from_millis(1_500),
+        "the server's delay, not the backoff"
+    );
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pushback_is_honoured_and_negative_pushback_stops() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call1 = spawn_call(&mut svc, request()).await;
+    let (_, send, t0) = next(&mut handle).await;
+    let mut r = status(Code::Unavailable);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("1000"));
+    send.send_response(r);
+    let (_, send, t1) = next(&mut handle).await;
+    assert_eq!(t1 - t0, Duration::from_secs(1));
+    send.send_response(ok());
+    call1.await.unwrap().unwrap();
+
+    let call2 = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    let mut r = status(Code::Unavailable);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("-1"));
+    send.send_response(r);
+    assert_eq!(code_of(&call2.await.unwrap().unwrap()), Code::Unavailable);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(handle.next_request().now_or_never().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn undecodable_status_details_are_dropped_before_tonic_sees_them() {
+    let policy = RetryPolicy::new(1, 20 * MS, 500 * MS, 0.2).unwrap();
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    let mut r = status(Code::Unavailable);
+    r.headers_mut().insert(
+        "grpc-status-details-bin",
+        HeaderValue::from_static("@@not-base64@@"),
+    );
+    send.send_response(r);
+    let response = call.await.unwrap().unwrap();
+    assert!(!response.headers().contains_key("grpc-status-details-bin"));
+    // tonic's own parser would have panicked on the original header.
+    let status = tonic::Status::from_header_map(response.headers()).unwrap();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(status.message(), "from the server");
+}
+
+#[tokio::test(start_paused = true)]
+async fn layer_made_errors_are_trailers_only_grpc_responses() {
+    let policy = RetryPolicy::default();
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "10m")).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/grpc");
+    assert_eq!(response.headers()["grpc-status"], "4");
+    assert!(response.headers().contains_key("grpc-message"));
+    assert!(response.into_body().frame().await.is_none(), "no body");
+}
+
+/// A request whose body is fed by hand.
+fn streaming_request() -> (
+    mpsc::UnboundedSender<Result<Frame<Bytes>, tonic::Status>>,
+    Request<Body>,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let body =
+        http_body_util::StreamBody::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+    let mut req = request();
+    *req.body_mut() = Body::new(body);
+    (tx, req)
+}
+
+fn chunk(s: &'static str) -> Result<Frame<Bytes>, tonic::Status> {
+    Ok(Frame::data(Bytes::from_static(s.as_bytes())))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_replays_the_same_bytes_and_trailers() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let (tx, req) = streaming_request();
+    for s in ["abc", "def"] {
+        tx.send(chunk(s)).unwrap();
+    }
+    let mut trailers = HeaderMap::new();
+    trailers.insert("x-checksum", HeaderValue::from_static("6"));
+    tx.send(Ok(Frame::trailers(trailers))).unwrap();
+    drop(tx);
+    let call = spawn_call(&mut svc, req).await;
+    let mut bodies = Vec::new();
+    for n in 0..2 {
+        let (req, send, _) = next(&mut handle).await;
+        let collected = req.into_body().collect().await.expect("whole body");
+        bodies.push((collected.trailers().cloned(), collected.to_bytes()));
+        send.send_response(if n == 0 {
+            status(Code::Unavailable)
+        } else {
+            ok()
+        });
+    }
+    call.await.unwrap().unwrap();
+    assert_eq!(bodies[0].1, "abcdef");
+    assert_eq!(bodies[1].1, "abcdef");
+    assert_eq!(bodies[1].0.as_ref().unwrap()["x-checksum"], "6");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_replay_limit_is_delivered_whole_and_not_retried() {
+    let policy = RetryPolicy::default().with_replay_limit(8);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (tx, req) = streaming_request();
+    for s in ["0123", "4567", "89ab", "cdef"] {
+        tx.send(chunk(s)).unwrap();
+    }
+    drop(tx);
+    let call = spawn_call(&mut svc, req).await;
+    let (req, send, _) = next(&mut handle).await;
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "0123456789abcdef", "never truncated");
+    send.send_response(status(Code::Unavailable));
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Unavailable);
+    assert_eq!(layer.metrics().retries(), 0);
+    assert_eq!(layer.budget().available(), 100.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_streaming_body_is_not_held_back_until_it_ends() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let (tx, req) = streaming_request();
+    let call = spawn_call(&mut svc, req).await;
+    // The attempt arrives before the caller has sent anything.
+    let (req, send, _) = next(&mut handle).await;
+    let mut body = req.into_body();
+    tx.send(chunk("first")).unwrap();
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "first");
+    // The body is still open; the server answers anyway.
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    tx.send(chunk("second")).unwrap();
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "second");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_mid_stream_replays_then_reads_on() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let (tx, req) = streaming_request();
+    let call = spawn_call(&mut svc, req).await;
+    let (req, send, _) = next(&mut handle).await;
+    let mut body = req.into_body();
+    tx.send(chunk("one,")).unwrap();
+    assert_eq!(
+        body.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "one,"
+    );
+    send.send_response(status(Code::Unavailable));
+    drop(body);
+    let (req, send, _) = next(&mut handle).await;
+    tx.send(chunk("two")).unwrap();
+    drop(tx);
+    let replayed = req.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(replayed, "one,two");
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_call_during_backoff_sends_nothing_more() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    // Let the layer decide to retry and start its backoff.
+    tokio::time::sleep(5 * MS).await;
+    assert_eq!(layer.metrics().retries(), 1);
+    call.abort();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "a retry was sent after the drop"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_call_cancels_the_attempt_in_flight() {
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let dropped = Arc::new(AtomicBool::new(false));
+    let seen = dropped.clone();
+    let inner = tower::service_fn(move |_req: Request<Body>| {
+        let flag = Flag(seen.clone());
+        async move {
+            let _flag = flag;
+            std::future::pending::<Result<Response<Body>, BoxError>>().await
+        }
+    });
+    let mut svc = RetryLayer::new(RetryPolicy::default(), budget()).layer(inner);
+    let fut = svc.ready().await.unwrap().call(request());
+    let task = tokio::spawn(fut);
+    tokio::time::sleep(10 * MS).await;
+    assert!(!dropped.load(Ordering::SeqCst));
+    task.abort();
+    let _ = task.await;
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the attempt's future was not dropped"
+    );
+}
+
+trait NowOrNever: std::future::Future + Sized {
+    fn now_or_never(self) -> Option<Self::Output> {
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let mut fut = std::pin::pin!(self);
+        match fut.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
+    }
+}
+impl<F: std::future::Future> NowOrNever for F {}
