@@ -219,10 +219,10 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         };
         let name = code_name(code);
 
-        if let (Some(header), Ok(response)) = (&policy.instance_header, &*result) {
-            if let Some(id) = response.headers().get(header) {
-                self.tried.record(id);
-            }
+        if let (Some(header), Ok(response)) = (&policy.instance_header, &*result)
+            && let Some(id) = response.headers().get(header)
+        {
+            self.tried.record(id);
         }
         if self.sent >= policy.max_attempts {
             tracing::debug!(
@@ -256,20 +256,20 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         };
         // Classify, then deadline, then budget: a token pays only for an attempt
         // that will really be sent.
-        if let Some(left) = remaining {
-            if left <= delay.saturating_add(policy.min_attempt_budget) {
-                metrics.record(Event::RefusedByDeadline);
-                tracing::debug!(attempt, code = name, ?delay, remaining = ?left, "no time left for another attempt");
-                let message = if left.is_zero() {
-                    format!("call deadline exceeded; attempt {attempt} ended with {name}")
-                } else {
-                    format!(
-                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
-                    )
-                };
-                *result = Ok(status_response(Code::DeadlineExceeded, message));
-                return None;
-            }
+        if let Some(left) = remaining
+            && left <= delay.saturating_add(policy.min_attempt_budget)
+        {
+            metrics.record(Event::RefusedByDeadline);
+            tracing::debug!(attempt, code = name, ?delay, remaining = ?left, "no time left for another attempt");
+            let message = if left.is_zero() {
+                format!("call deadline exceeded; attempt {attempt} ended with {name}")
+            } else {
+                format!(
+                    "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
+                )
+            };
+            *result = Ok(status_response(Code::DeadlineExceeded, message));
+            return None;
         }
         if !budget.try_withdraw() {
             metrics.record(Event::RefusedByBudget);

@@ -1,4 +1,149 @@
-//! tonic-retry (docs to come)
+//! A [tower] layer that retries gRPC calls — made by [tonic] clients, or by
+//! anything that speaks gRPC through a `tower::Service<http::Request<B>>` — only
+//! where a retry can succeed, with every wait charged to one overall deadline
+//! and every retry paid for from a process-wide [`RetryBudget`].
+//!
+//! Retries are how a client rides out a restarting instance or a dropped
+//! connection. Done carelessly they do harm: they turn a blip into a retry
+//! storm (every caller multiplies its traffic just when the service is
+//! weakest), they send attempts that cannot finish in time, and they apply a
+//! write twice. This layer does the careful version:
+//!
+//! * **Only retryable outcomes** are retried (see the table below). The
+//!   question is not how bad an error is, but whether the same request, sent
+//!   again, could get a different answer.
+//! * **Exponential backoff with independent jitter**: before retry *k* it waits
+//!   `min(base · 2^(k-1), max) · (1 ± jitter)`, drawn afresh for every retry of
+//!   every call. A server's `RetryInfo` or `grpc-retry-pushback-ms` replaces it.
+//! * **One deadline for the whole call**, from the request's `grpc-timeout`
+//!   (tonic's `Request::set_timeout`) or [`RetryPolicy::with_total_timeout`].
+//!   Every attempt is sent with `grpc-timeout` rewritten to the time left, and
+//!   cut when it runs out; backoff sleeps are charged to it too. No retry is
+//!   sent without room for its backoff plus a minimum attempt (20 ms).
+//! * **A retry budget**: a lock-free token account; successes deposit a
+//!   fraction of a token, each retry costs one. With the reference setting
+//!   (`RetryBudget::new(200, 0.1)`) retries stay near 10 % of traffic once the
+//!   saved balance is spent, however hard a dependency fails.
+//! * **The same idempotency key** (`x-idempotency-key`) on every attempt, so a
+//!   server can deduplicate a write whose response was lost.
+//! * **Marks for the load balancer**: attempt *n + 1* carries
+//!   `grpc-previous-rpc-attempts: n` and names the instances that already
+//!   failed this call (the [`x-already-tried`](ALREADY_TRIED) header and the
+//!   [`AlreadyTried`] request extension), so a balancer can send the retry
+//!   elsewhere.
+//! * **A replayable body** ([`ReplayBody`]): the first attempt streams as the
+//!   caller writes, while a zero-copy copy is kept (64 KiB by default) for
+//!   retries. A bigger body is sent whole and not retried; streaming calls
+//!   never wait for their body to end.
+//!
+//! # What is retried
+//!
+//! | outcome of one attempt | retried? |
+//! |---|---|
+//! | `UNAVAILABLE` | yes |
+//! | no response at all (connection refused or reset, stream refused) | yes, as `UNAVAILABLE` |
+//! | `DEADLINE_EXCEEDED` | while the call's deadline has room |
+//! | `RESOURCE_EXHAUSTED` | only with `google.rpc.RetryInfo`, after its `retry_delay` |
+//! | `ABORTED` | never: a conflict the caller must re-read and resolve |
+//! | `NOT_FOUND`, `INVALID_ARGUMENT`, `PERMISSION_DENIED`, `UNAUTHENTICATED`, `UNIMPLEMENTED`, `INTERNAL`, any other code, `OK` | never |
+//! | a response that started normally (headers without `grpc-status`) | never: it is committed and handed over untouched |
+//!
+//! Only *Trailers-Only* error responses (the status in the response headers,
+//! as tonic, grpc-go, grpc-java and grpcio servers send early errors) and HTTP
+//! errors are judged; HTTP statuses map as gRPC clients map them (429, 502,
+//! 503, 504 → `UNAVAILABLE`). The set is configurable
+//! ([`RetryPolicy::with_retryable_codes`]). Malformed metadata never panics and
+//! never makes a call retryable; a `grpc-status-details-bin` that is not valid
+//! base64 — which would make tonic's client panic — is removed before the
+//! caller sees it.
+//!
+//! When the layer itself ends a call — no time left, or no budget — the caller
+//! gets a gRPC Trailers-Only response with `DEADLINE_EXCEEDED` or
+//! `RESOURCE_EXHAUSTED`, naming the last attempt's code, which a tonic client
+//! reports as a [`tonic::Status`].
+//!
+//! # Example
+//!
+//! With a tonic client, the layer goes between the `Channel` and the generated
+//! client:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tonic::transport::Endpoint;
+//! use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+//! use tower::ServiceBuilder;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let channel = Endpoint::from_static("http://[::1]:50051").connect_lazy();
+//! let svc = ServiceBuilder::new()
+//!     .timeout(Duration::from_secs(5))
+//!     .concurrency_limit(64)
+//!     .layer(RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?))
+//!     .service(channel);
+//! // let mut client = LibraryClient::new(svc);
+//! # let _ = svc;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The same layer around an in-memory service, which fails once:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use tonic::body::Body;
+//! use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+//! use tower::{BoxError, ServiceBuilder, ServiceExt};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), BoxError> {
+//! let calls = Arc::new(AtomicUsize::new(0));
+//! let seen = calls.clone();
+//! let inner = tower::service_fn(move |_req: http::Request<Body>| {
+//!     let n = seen.fetch_add(1, Ordering::SeqCst);
+//!     async move {
+//!         let status = if n == 0 { tonic::Code::Unavailable } else { tonic::Code::Ok };
+//!         Ok::<_, BoxError>(tonic::Status::new(status, "").into_http::<Body>())
+//!     }
+//! });
+//! let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?);
+//! let svc = ServiceBuilder::new().layer(layer.clone()).service(inner);
+//!
+//! let response = svc.oneshot(http::Request::new(Body::empty())).await?;
+//! assert_eq!(response.headers()["grpc-status"], "0");
+//! assert_eq!(calls.load(Ordering::SeqCst), 2);
+//! assert_eq!(layer.metrics().retries(), 1);
+//! assert_eq!(layer.budget().available(), 99.1); // one token spent, 0.1 earned
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Limits worth knowing
+//!
+//! * Retrying does not fix slowness. A server that always needs 600 ms behind
+//!   a 300 ms per-attempt timeout yields timeouts, not successes — and three
+//!   times the load.
+//! * Retries multiply across layers: three hops each making 3 attempts make
+//!   27 calls to the bottom one. Retry at one layer where you can; the budget
+//!   is what keeps a stack of retrying layers near `1 + deposit` per layer
+//!   once the saved balance is spent.
+//! * The budget is per process by design: a cluster-wide exact quota would
+//!   cost a remote call per request.
+//! * A successful call is one whose response started normally (or was `OK`);
+//!   errors that arrive later in trailers are the caller's to see, and are not
+//!   retried (gRPC A6 calls such a response committed).
+//! * The layer needs a tokio runtime with the time driver enabled, as tonic does.
+//!
+//! # Observability
+//!
+//! Every finished attempt emits a `tracing` event at `DEBUG` level (attempt
+//! number, code, delay, time remaining, tokens left). [`RetryLayer::metrics`]
+//! counts attempts, retries, and retries refused by the budget or the
+//! deadline; [`RetryBudget::available`] is the budget gauge.
+//!
+//! [tower]: https://docs.rs/tower
+//! [tonic]: https://docs.rs/tonic
+
 mod attempt;
 mod body;
 mod budget;
@@ -20,5 +165,5 @@ pub use layer::RetryLayer;
 pub use marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, PREVIOUS_ATTEMPTS};
 pub use metrics::RetryMetrics;
 pub use policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
-pub use replay::ReplayBody;
+pub use replay::{ReplayBody, ReplayError};
 pub use service::RetryService;
