@@ -1,6 +1,8 @@
 //! The layer against `tower-test` mocks, under paused tokio time: every wait is
 //! virtual and exact, so timings are asserted to the instant.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -13,90 +15,11 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{AlreadyTried, ResponseBody, RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{AlreadyTried, RetryBudget, RetryLayer, RetryPolicy};
 use tonic_types::{ErrorDetails, StatusExt};
 use tower::{BoxError, Layer, Service, ServiceExt};
-use tower_test::mock;
 
-const MS: Duration = Duration::from_millis(1);
-
-type Handle = mock::Handle<Request<Body>, Response<Body>>;
-type Svc = tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>>;
-type Outcome = Result<Response<ResponseBody<Body>>, BoxError>;
-
-fn budget() -> RetryBudget {
-    RetryBudget::new(200, 0.1).unwrap()
-}
-
-fn setup(policy: RetryPolicy, budget: RetryBudget) -> (Svc, Handle, RetryLayer) {
-    let layer = RetryLayer::new(policy, budget);
-    let (inner, handle) = mock::pair();
-    (layer.layer(inner), handle, layer)
-}
-
-fn request() -> Request<Body> {
-    Request::builder()
-        .method("POST")
-        .uri("http://library/library.v1.Library/GetBook")
-        .header("content-type", "application/grpc")
-        .body(Body::new(http_body_util::Full::new(Bytes::from_static(
-            b"\0\0\0\0\x05hello",
-        ))))
-        .unwrap()
-}
-
-fn with_timeout(mut req: Request<Body>, value: &'static str) -> Request<Body> {
-    req.headers_mut()
-        .insert("grpc-timeout", HeaderValue::from_static(value));
-    req
-}
-
-/// A Trailers-Only response, as a tonic server sends an early error.
-fn status(code: Code) -> Response<Body> {
-    tonic::Status::new(code, "from the server").into_http()
-}
-
-fn status_from(instance: &'static str, code: Code) -> Response<Body> {
-    let mut r = status(code);
-    r.headers_mut()
-        .insert("x-instance-id", HeaderValue::from_static(instance));
-    r
-}
-
-/// A normal response: headers without `grpc-status`, the status in trailers.
-fn ok() -> Response<Body> {
-    Response::builder()
-        .header("content-type", "application/grpc")
-        .body(Body::empty())
-        .unwrap()
-}
-
-fn code_of<B>(r: &Response<B>) -> Code {
-    match r.headers().get("grpc-status") {
-        Some(v) => Code::from_bytes(v.as_bytes()),
-        None => Code::Ok,
-    }
-}
-
-fn message_of<B>(r: &Response<B>) -> String {
-    tonic::Status::from_header_map(r.headers())
-        .map(|s| s.message().to_owned())
-        .unwrap_or_default()
-}
-
-/// Starts a call through the service on its own task.
-async fn spawn_call(svc: &mut Svc, req: Request<Body>) -> tokio::task::JoinHandle<Outcome> {
-    let svc = svc.ready().await.expect("mock is ready");
-    tokio::spawn(svc.call(req))
-}
-
-async fn next(handle: &mut Handle) -> (Request<Body>, mock::SendResponse<Response<Body>>, Instant) {
-    let (req, send) = handle
-        .next_request()
-        .await
-        .expect("an attempt should arrive");
-    (req, send, Instant::now())
-}
+use support::*;
 
 #[tokio::test(start_paused = true)]
 async fn unavailable_is_retried_until_success() {
@@ -748,16 +671,3 @@ async fn dropping_the_call_cancels_the_attempt_in_flight() {
         "the attempt's future was not dropped"
     );
 }
-
-trait NowOrNever: std::future::Future + Sized {
-    fn now_or_never(self) -> Option<Self::Output> {
-        let waker = std::task::Waker::noop();
-        let mut cx = std::task::Context::from_waker(waker);
-        let mut fut = std::pin::pin!(self);
-        match fut.as_mut().poll(&mut cx) {
-            std::task::Poll::Ready(v) => Some(v),
-            std::task::Poll::Pending => None,
-        }
-    }
-}
-impl<F: std::future::Future> NowOrNever for F {}

@@ -1,0 +1,71 @@
+//! The tracing events the layer emits. In a test binary of its own: tracing
+//! caches each event's interest process-wide, so a test running without a
+//! subscriber on another thread could otherwise switch these events off.
+
+mod support;
+
+use std::sync::Arc;
+
+use support::*;
+use tonic::Code;
+use tonic_retry::RetryPolicy;
+
+/// Collects the fields of every event the layer emits.
+#[derive(Clone, Default)]
+struct Events(Arc<std::sync::Mutex<Vec<Fields>>>);
+
+/// One event's fields, as `(name, value)`.
+type Fields = Vec<(String, String)>;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Visitor(Fields);
+        impl tracing::field::Visit for Visitor {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push((field.name().to_owned(), format!("{value:?}")));
+            }
+            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                self.0.push((field.name().to_owned(), value.to_owned()));
+            }
+        }
+        let mut fields = Visitor(Vec::new());
+        event.record(&mut fields);
+        self.0.lock().unwrap().push(fields.0);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_attempt_emits_one_event_with_its_numbers() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let events = Events::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(events.clone()));
+
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    let events = events.0.lock().unwrap().clone();
+    let attempts: Vec<_> = events
+        .iter()
+        .filter(|fields| fields.iter().any(|(k, _)| k == "attempt"))
+        .collect();
+    assert_eq!(attempts.len(), 2, "one event per attempt: {events:?}");
+    let get = |fields: &Fields, key: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(get(attempts[0], "attempt").as_deref(), Some("1"));
+    assert_eq!(get(attempts[0], "code").as_deref(), Some("UNAVAILABLE"));
+    assert!(get(attempts[0], "delay").is_some(), "the retry's delay");
+    assert!(get(attempts[0], "remaining").is_some(), "the time left");
+    assert_eq!(get(attempts[0], "tokens").as_deref(), Some("99.0"));
+    assert_eq!(get(attempts[1], "attempt").as_deref(), Some("2"));
+    assert_eq!(get(attempts[1], "code").as_deref(), Some("OK"));
+}

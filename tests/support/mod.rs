@@ -1,0 +1,109 @@
+//! Helpers shared by the `tower-test` mock tests.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use tokio::time::Instant;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{ResponseBody, RetryBudget, RetryLayer, RetryPolicy};
+use tower::{BoxError, Layer, Service, ServiceExt};
+use tower_test::mock;
+
+pub const MS: Duration = Duration::from_millis(1);
+
+pub type Handle = mock::Handle<Request<Body>, Response<Body>>;
+pub type Svc = tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>>;
+pub type Outcome = Result<Response<ResponseBody<Body>>, BoxError>;
+
+pub fn budget() -> RetryBudget {
+    RetryBudget::new(200, 0.1).unwrap()
+}
+
+pub fn setup(policy: RetryPolicy, budget: RetryBudget) -> (Svc, Handle, RetryLayer) {
+    let layer = RetryLayer::new(policy, budget);
+    let (inner, handle) = mock::pair();
+    (layer.layer(inner), handle, layer)
+}
+
+pub fn request() -> Request<Body> {
+    Request::builder()
+        .method("POST")
+        .uri("http://library/library.v1.Library/GetBook")
+        .header("content-type", "application/grpc")
+        .body(Body::new(http_body_util::Full::new(Bytes::from_static(
+            b"\0\0\0\0\x05hello",
+        ))))
+        .unwrap()
+}
+
+pub fn with_timeout(mut req: Request<Body>, value: &'static str) -> Request<Body> {
+    req.headers_mut()
+        .insert("grpc-timeout", HeaderValue::from_static(value));
+    req
+}
+
+/// A Trailers-Only response, as a tonic server sends an early error.
+pub fn status(code: Code) -> Response<Body> {
+    tonic::Status::new(code, "from the server").into_http()
+}
+
+pub fn status_from(instance: &'static str, code: Code) -> Response<Body> {
+    let mut r = status(code);
+    r.headers_mut()
+        .insert("x-instance-id", HeaderValue::from_static(instance));
+    r
+}
+
+/// A normal response: headers without `grpc-status`, the status in trailers.
+pub fn ok() -> Response<Body> {
+    Response::builder()
+        .header("content-type", "application/grpc")
+        .body(Body::empty())
+        .unwrap()
+}
+
+pub fn code_of<B>(r: &Response<B>) -> Code {
+    match r.headers().get("grpc-status") {
+        Some(v) => Code::from_bytes(v.as_bytes()),
+        None => Code::Ok,
+    }
+}
+
+pub fn message_of<B>(r: &Response<B>) -> String {
+    tonic::Status::from_header_map(r.headers())
+        .map(|s| s.message().to_owned())
+        .unwrap_or_default()
+}
+
+/// Starts a call through the service on its own task.
+pub async fn spawn_call(svc: &mut Svc, req: Request<Body>) -> tokio::task::JoinHandle<Outcome> {
+    let svc = svc.ready().await.expect("mock is ready");
+    tokio::spawn(svc.call(req))
+}
+
+pub async fn next(
+    handle: &mut Handle,
+) -> (Request<Body>, mock::SendResponse<Response<Body>>, Instant) {
+    let (req, send) = handle
+        .next_request()
+        .await
+        .expect("an attempt should arrive");
+    (req, send, Instant::now())
+}
+
+pub trait NowOrNever: std::future::Future + Sized {
+    fn now_or_never(self) -> Option<Self::Output> {
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let mut fut = std::pin::pin!(self);
+        match fut.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
+    }
+}
+impl<F: std::future::Future> NowOrNever for F {}
