@@ -18,7 +18,7 @@ use crate::classify::{
 };
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout};
 use crate::future::AttemptFuture;
-use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS};
+use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
 use crate::metrics::Event;
 use crate::replay::ReplayBody;
 use crate::service::Shared;
@@ -168,6 +168,89 @@ impl CallPolicy {
     }
 }
 
+/// What to do after one attempt.
+#[derive(Clone, Copy, Debug)]
+enum Decision {
+    /// Hand the outcome to the caller as it is.
+    Done(&'static str),
+    /// Retryable, but the deadline has no room for `delay` and another attempt.
+    NoTime { left: Duration, delay: Duration },
+    /// Retryable, but the budget has no token.
+    NoBudget { delay: Duration },
+    /// Send another attempt after `delay`.
+    Retry { delay: Duration },
+}
+
+impl Decision {
+    fn describe(self) -> &'static str {
+        match self {
+            Decision::Done(why) => why,
+            Decision::NoTime { .. } => "no time left for another attempt",
+            Decision::NoBudget { .. } => "retry budget exhausted",
+            Decision::Retry { .. } => "retrying",
+        }
+    }
+
+    fn delay(self) -> Option<Duration> {
+        match self {
+            Decision::Done(_) => None,
+            Decision::NoTime { delay, .. }
+            | Decision::NoBudget { delay }
+            | Decision::Retry { delay } => Some(delay),
+        }
+    }
+}
+
+impl CallPolicy {
+    /// Classify, then deadline, then budget: a token pays only for an attempt
+    /// that will really be sent.
+    fn decide(
+        &mut self,
+        verdict: Verdict,
+        instance: Option<&HeaderValue>,
+        replayable: bool,
+        remaining: Option<Duration>,
+    ) -> Decision {
+        let Shared { policy, budget, .. } = &*self.shared;
+        let server_delay = match verdict {
+            Verdict::Committed | Verdict::Final(Code::Ok) => {
+                budget.deposit();
+                return Decision::Done("succeeded");
+            }
+            Verdict::Final(_) => return Decision::Done("not retryable"),
+            Verdict::Retryable { server_delay, .. } => server_delay,
+        };
+        if let Some(id) = instance {
+            self.tried.record(id);
+        }
+        if self.sent >= policy.max_attempts {
+            return Decision::Done("no attempts left");
+        }
+        if !replayable {
+            return Decision::Done("request body cannot be replayed");
+        }
+        let delay = match server_delay {
+            Some(delay) => {
+                self.backoff_step = 0;
+                delay
+            }
+            None => {
+                self.backoff_step += 1;
+                policy.delay_before(self.backoff_step)
+            }
+        };
+        if let Some(left) = remaining
+            && left <= delay.saturating_add(policy.min_attempt_budget)
+        {
+            return Decision::NoTime { left, delay };
+        }
+        if !budget.try_withdraw() {
+            return Decision::NoBudget { delay };
+        }
+        Decision::Retry { delay }
+    }
+}
+
 impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for CallPolicy {
     type Future = Sleep;
 
@@ -184,128 +267,81 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
         } = &*shared;
         metrics.record(Event::Attempt);
         let now = Instant::now();
-        let verdict = match &*result {
-            Ok(response) => {
-                classify_response(response.status(), response.headers(), policy.retryable)
-            }
-            Err(_) => classify_error(policy.retryable),
-        };
-        let attempt = self.sent;
         let remaining = self.remaining(now);
-
-        let (code, server_delay) = match verdict {
-            Verdict::Committed | Verdict::Final(Code::Ok) => {
-                budget.deposit();
-                tracing::debug!(
-                    attempt,
-                    code = code_name(verdict.code()),
-                    ?remaining,
-                    "attempt succeeded"
-                );
-                self.finish(result, now);
-                return None;
-            }
-            Verdict::Final(code) => {
-                tracing::debug!(
-                    attempt,
-                    code = code_name(code),
-                    ?remaining,
-                    "attempt failed; not retryable"
-                );
-                self.finish(result, now);
-                return None;
-            }
-            Verdict::Retryable { code, server_delay } => (code, server_delay),
+        let (verdict, instance) = match &*result {
+            Ok(response) => (
+                classify_response(response.status(), response.headers(), policy.retryable),
+                policy
+                    .instance_header
+                    .as_ref()
+                    .and_then(|h| response.headers().get(h))
+                    .cloned(),
+            ),
+            Err(_) => (classify_error(policy.retryable), None),
         };
-        let name = code_name(code);
-
-        if let (Some(header), Ok(response)) = (&policy.instance_header, &*result)
-            && let Some(id) = response.headers().get(header)
-        {
-            self.tried.record(id);
-        }
-        if self.sent >= policy.max_attempts {
-            tracing::debug!(
-                attempt,
-                code = name,
-                ?remaining,
-                "attempt failed; no attempts left"
-            );
-            self.finish(result, now);
-            return None;
-        }
-        if !req.body().is_replayable() {
-            tracing::debug!(
-                attempt,
-                code = name,
-                "attempt failed; request body cannot be replayed"
-            );
-            self.finish(result, now);
-            return None;
-        }
-
-        let delay = match server_delay {
-            Some(delay) => {
-                self.backoff_step = 0;
-                delay
-            }
-            None => {
-                self.backoff_step += 1;
-                policy.delay_before(self.backoff_step)
-            }
-        };
-        // Classify, then deadline, then budget: a token pays only for an attempt
-        // that will really be sent.
-        if let Some(left) = remaining
-            && left <= delay.saturating_add(policy.min_attempt_budget)
-        {
-            metrics.record(Event::RefusedByDeadline);
-            tracing::debug!(attempt, code = name, ?delay, remaining = ?left, "no time left for another attempt");
-            let message = if left.is_zero() {
-                format!("call deadline exceeded; attempt {attempt} ended with {name}")
-            } else {
-                format!(
-                    "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
-                )
-            };
-            *result = Ok(status_response(Code::DeadlineExceeded, message));
-            return None;
-        }
-        if !budget.try_withdraw() {
-            metrics.record(Event::RefusedByBudget);
-            tracing::debug!(
-                attempt,
-                code = name,
-                tokens = budget.available(),
-                "retry budget exhausted"
-            );
-            *result = Ok(status_response(
-                Code::ResourceExhausted,
-                format!("retry budget exhausted; attempt {attempt} ended with {name}"),
-            ));
-            return None;
-        }
-
-        metrics.record(Event::Retry);
+        let decision = self.decide(
+            verdict,
+            instance.as_ref(),
+            req.body().is_replayable(),
+            remaining,
+        );
+        let attempt = self.sent;
+        let name = code_name(verdict.code());
         tracing::debug!(
             attempt,
             code = name,
-            ?delay,
-            ?remaining,
+            instance = instance.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
+            key = req
+                .headers()
+                .get(IDEMPOTENCY_KEY)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-"),
+            delay = ?decision.delay(),
+            remaining = ?remaining,
             tokens = budget.available(),
-            tried = ?self.tried,
-            "retrying"
+            "{}",
+            decision.describe()
         );
-        let headers = req.headers_mut();
-        headers.insert(PREVIOUS_ATTEMPTS, HeaderValue::from(self.sent));
-        if !self.tried.is_empty() {
-            if let Some(value) = self.tried.to_header() {
-                headers.insert(ALREADY_TRIED, value);
+
+        match decision {
+            Decision::Done(_) => {
+                self.finish(result, now);
+                None
             }
-            req.extensions_mut().insert(self.tried.clone());
+            Decision::NoTime { left, .. } => {
+                metrics.record(Event::RefusedByDeadline);
+                let message = if left.is_zero() {
+                    format!("call deadline exceeded; attempt {attempt} ended with {name}")
+                } else {
+                    format!(
+                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
+                    )
+                };
+                *result = Ok(status_response(Code::DeadlineExceeded, message));
+                None
+            }
+            Decision::NoBudget { .. } => {
+                metrics.record(Event::RefusedByBudget);
+                *result = Ok(status_response(
+                    Code::ResourceExhausted,
+                    format!("retry budget exhausted; attempt {attempt} ended with {name}"),
+                ));
+                None
+            }
+            Decision::Retry { delay } => {
+                metrics.record(Event::Retry);
+                let headers = req.headers_mut();
+                headers.insert(PREVIOUS_ATTEMPTS, HeaderValue::from(self.sent));
+                if !self.tried.is_empty() {
+                    if let Some(value) = self.tried.to_header() {
+                        headers.insert(ALREADY_TRIED, value);
+                    }
+                    req.extensions_mut().insert(self.tried.clone());
+                }
+                self.sent += 1;
+                Some(tokio::time::sleep(delay))
+            }
         }
-        self.sent += 1;
-        Some(tokio::time::sleep(delay))
     }
 
     fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {

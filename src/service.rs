@@ -32,6 +32,19 @@ pub(crate) struct Shared {
 /// Made by [`RetryLayer`](crate::RetryLayer). The inner service's error type is
 /// kept, so a tonic generated client accepts the wrapped service as it accepted
 /// the inner one.
+///
+/// # Bounds
+///
+/// The inner service must be `Clone` (each attempt is sent through a clone, as
+/// with `tower::retry::Retry`). The request body `B` must yield `Bytes`, be
+/// `Unpin`, and be buildable from a [`ReplayBody<B>`](crate::ReplayBody) — the
+/// wrapper that keeps a copy for replay. That holds for `tonic::body::Body` (what
+/// tonic's `Channel` and generated clients use) and for http-body-util's
+/// `BoxBody` / `UnsyncBoxBody` with `BoxError` errors; for a body type of your
+/// own, implement `From<ReplayBody<YourBody>>`.
+///
+/// The response body is wrapped in [`ResponseBody`](crate::ResponseBody), which
+/// passes frames through, so that the layer can answer with statuses of its own.
 #[derive(Clone)]
 pub struct RetryService<S> {
     inner: S,

@@ -44,7 +44,7 @@ async fn every_attempt_emits_one_event_with_its_numbers() {
     let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
     let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
     let (_, send, _) = next(&mut handle).await;
-    send.send_response(status(Code::Unavailable));
+    send.send_response(status_from("instance-a", Code::Unavailable));
     let (_, send, _) = next(&mut handle).await;
     send.send_response(ok());
     call.await.unwrap().unwrap();
@@ -66,6 +66,10 @@ async fn every_attempt_emits_one_event_with_its_numbers() {
     assert!(get(attempts[0], "delay").is_some(), "the retry's delay");
     assert!(get(attempts[0], "remaining").is_some(), "the time left");
     assert_eq!(get(attempts[0], "tokens").as_deref(), Some("99.0"));
+    assert_eq!(get(attempts[0], "instance").as_deref(), Some("instance-a"));
+    let key = get(attempts[0], "key").expect("the call's idempotency key");
+    assert_eq!(key.len(), 32);
+    assert_eq!(get(attempts[1], "key"), Some(key), "one key for the whole call");
     assert_eq!(get(attempts[1], "attempt").as_deref(), Some("2"));
     assert_eq!(get(attempts[1], "code").as_deref(), Some("OK"));
 }
