@@ -145,11 +145,14 @@
 //! [tonic]: https://docs.rs/tonic
 
 mod attempt;
+pub mod balance;
 mod body;
 mod budget;
 mod classify;
 mod deadline;
 mod error;
+#[cfg(feature = "fault")]
+pub mod fault;
 pub mod future;
 mod layer;
 mod marks;

@@ -69,7 +69,11 @@ async fn every_attempt_emits_one_event_with_its_numbers() {
     assert_eq!(get(attempts[0], "instance").as_deref(), Some("instance-a"));
     let key = get(attempts[0], "key").expect("the call's idempotency key");
     assert_eq!(key.len(), 32);
-    assert_eq!(get(attempts[1], "key"), Some(key), "one key for the whole call");
+    assert_eq!(
+        get(attempts[1], "key"),
+        Some(key),
+        "one key for the whole call"
+    );
     assert_eq!(get(attempts[1], "attempt").as_deref(), Some("2"));
     assert_eq!(get(attempts[1], "code").as_deref(), Some("OK"));
 }
