@@ -1,0 +1,227 @@
+//! A `Library` gRPC server for tests and the demo: real tonic, on loopback,
+//! with the crate's fault-injection layer in front, and a write path that
+//! deduplicates by idempotency key.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::{Stream, StreamExt};
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic::{Request, Response, Status, Streaming};
+use tonic_retry::fault::FaultLayer;
+
+#[allow(unreachable_pub, missing_docs, clippy::all)]
+pub mod pb {
+    include!("../../proto/gen/library.v1.rs");
+}
+
+use pb::library_server::{Library, LibraryServer};
+use pb::*;
+
+/// The shelf: stock per ISBN, and the replies already given per idempotency key.
+#[derive(Clone, Default)]
+pub struct Shelf {
+    stock: Arc<Mutex<HashMap<String, u32>>>,
+    replies: Arc<Mutex<HashMap<String, ReserveStockReply>>>,
+    /// Reservations applied (each decrements stock once).
+    pub applied: Arc<AtomicU64>,
+    /// Reservations answered from the dedup table instead.
+    pub deduplicated: Arc<AtomicU64>,
+    /// `(books, bytes)` of every import the server read to its end.
+    pub imports: Arc<Mutex<Vec<(u32, u64)>>>,
+}
+
+impl Shelf {
+    pub fn with_stock(isbn: &str, count: u32) -> Self {
+        let shelf = Self::default();
+        shelf.stock.lock().unwrap().insert(isbn.to_owned(), count);
+        shelf
+    }
+
+    pub fn stock(&self, isbn: &str) -> u32 {
+        self.stock.lock().unwrap().get(isbn).copied().unwrap_or(0)
+    }
+}
+
+type BookStream = Pin<Box<dyn Stream<Item = Result<Book, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Library for Shelf {
+    async fn get_book(&self, req: Request<GetBookRequest>) -> Result<Response<Book>, Status> {
+        let isbn = req.into_inner().isbn;
+        Ok(Response::new(Book {
+            title: format!("Book {isbn}"),
+            author: "Anonymous".into(),
+            isbn,
+        }))
+    }
+
+    async fn reserve_stock(
+        &self,
+        req: Request<ReserveStockRequest>,
+    ) -> Result<Response<ReserveStockReply>, Status> {
+        let key = req
+            .metadata()
+            .get("x-idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .ok_or_else(|| Status::invalid_argument("x-idempotency-key is required"))?;
+        let ReserveStockRequest { isbn, quantity } = req.into_inner();
+        // One lock for check-and-apply, so a key is applied at most once.
+        let mut replies = self.replies.lock().unwrap();
+        if let Some(reply) = replies.get(&key) {
+            self.deduplicated.fetch_add(1, Ordering::SeqCst);
+            return Ok(Response::new(*reply));
+        }
+        let mut stock = self.stock.lock().unwrap();
+        let left = stock.entry(isbn).or_default();
+        if *left < quantity {
+            return Err(Status::aborted("not enough stock: re-read and decide"));
+        }
+        *left -= quantity;
+        let reply = ReserveStockReply { remaining: *left };
+        replies.insert(key, reply);
+        self.applied.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(reply))
+    }
+
+    async fn import_books(
+        &self,
+        req: Request<Streaming<Book>>,
+    ) -> Result<Response<ImportSummary>, Status> {
+        let mut stream = req.into_inner();
+        let (mut count, mut bytes) = (0, 0);
+        while let Some(book) = stream.next().await {
+            let book = book?;
+            count += 1;
+            bytes += (book.isbn.len() + book.title.len() + book.author.len()) as u64;
+        }
+        self.imports.lock().unwrap().push((count, bytes));
+        Ok(Response::new(ImportSummary { count, bytes }))
+    }
+
+    type ListBooksStream = BookStream;
+
+    async fn list_books(
+        &self,
+        req: Request<ListBooksRequest>,
+    ) -> Result<Response<BookStream>, Status> {
+        let ListBooksRequest { author, limit } = req.into_inner();
+        let books = (0..limit).map(move |n| {
+            Ok(Book {
+                isbn: n.to_string(),
+                title: format!("Volume {n}"),
+                author: author.clone(),
+            })
+        });
+        Ok(Response::new(Box::pin(tokio_stream::iter(books))))
+    }
+
+    type SyncBooksStream = BookStream;
+
+    async fn sync_books(
+        &self,
+        req: Request<Streaming<Book>>,
+    ) -> Result<Response<BookStream>, Status> {
+        Ok(Response::new(Box::pin(req.into_inner())))
+    }
+}
+
+/// A running server instance that can be stopped and started again on the
+/// same port (a rolling restart).
+pub struct Instance {
+    pub addr: SocketAddr,
+    pub faults: FaultLayer,
+    shelf: Shelf,
+    running: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+}
+
+impl Instance {
+    /// Starts `shelf` behind `faults` on `127.0.0.1:0`.
+    pub async fn start(shelf: Shelf, faults: FaultLayer) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let addr = listener.local_addr().expect("local address");
+        let mut instance = Self {
+            addr,
+            faults,
+            shelf,
+            running: None,
+        };
+        instance.serve(listener);
+        instance
+    }
+
+    /// Starts a plain instance whose faults are given by `faults`' rules.
+    pub async fn with_faults(faults: FaultLayer) -> Self {
+        Self::start(Shelf::default(), faults).await
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let server = Server::builder()
+            .layer(self.faults.clone())
+            .add_service(LibraryServer::new(self.shelf.clone()))
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            });
+        let task = tokio::spawn(async move {
+            let _ = server.await;
+        });
+        self.running = Some((stop, task));
+    }
+
+    /// Stops serving: from now on connections to `addr` are refused.
+    pub async fn stop(&mut self) {
+        if let Some((stop, mut task)) = self.running.take() {
+            let _ = stop.send(());
+            // A graceful shutdown closes the idle connections too (GOAWAY), so
+            // clients must reconnect, and are refused.
+            if tokio::time::timeout(std::time::Duration::from_secs(5), &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+            }
+        }
+    }
+
+    /// Serves again on the same address.
+    pub async fn restart(&mut self) {
+        let listener = tokio::net::TcpListener::bind(self.addr)
+            .await
+            .expect("rebind the same port");
+        self.serve(listener);
+    }
+
+    pub fn shelf(&self) -> &Shelf {
+        &self.shelf
+    }
+
+    pub fn channel(&self) -> Channel {
+        channel(self.addr)
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        if let Some((_, task)) = self.running.take() {
+            task.abort();
+        }
+    }
+}
+
+pub fn channel(addr: SocketAddr) -> Channel {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .expect("a valid URI")
+        .connect_lazy()
+}
