@@ -3,6 +3,7 @@
 //! are real but short, and every call is bounded.
 
 mod common;
+mod support;
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -11,6 +12,7 @@ use common::pb::library_client::LibraryClient;
 use common::pb::{Book, GetBookRequest, ImportSummary, ListBooksRequest, ReserveStockRequest};
 use common::{Instance, Shelf};
 use http::HeaderValue;
+use support::parse_timeout;
 use tonic::Code;
 use tonic_retry::balance::PreferUntried;
 use tonic_retry::fault::{Fault, FaultLayer, Rule};
@@ -488,16 +490,4 @@ async fn works_under_timeout_concurrency_limit_and_load_shed() {
     }
     assert!(ok > 0, "nothing got through ({shed} shed)");
     assert!(layer.metrics().attempts() >= ok);
-}
-
-fn parse_timeout(s: &str) -> Duration {
-    let (n, unit) = s.split_at(s.len() - 1);
-    let n: u64 = n.parse().unwrap();
-    match unit {
-        "n" => Duration::from_nanos(n),
-        "u" => Duration::from_micros(n),
-        "m" => Duration::from_millis(n),
-        "S" => Duration::from_secs(n),
-        other => panic!("unexpected unit {other}"),
-    }
 }

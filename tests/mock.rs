@@ -196,18 +196,6 @@ async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
     );
 }
 
-fn parse_timeout(s: &str) -> Duration {
-    let (n, unit) = s.split_at(s.len() - 1);
-    let n: u64 = n.parse().unwrap();
-    match unit {
-        "n" => Duration::from_nanos(n),
-        "u" => Duration::from_micros(n),
-        "m" => Duration::from_millis(n),
-        "S" => Duration::from_secs(n),
-        other => panic!("unexpected unit {other}"),
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn no_retry_without_room_for_backoff_plus_minimum_attempt() {
     let policy = RetryPolicy::new(5, 20 * MS, 500 * MS, 0.0).unwrap();

@@ -107,3 +107,16 @@ pub trait NowOrNever: std::future::Future + Sized {
     }
 }
 impl<F: std::future::Future> NowOrNever for F {}
+
+/// Reads a `grpc-timeout` value as a peer would.
+pub fn parse_timeout(s: &str) -> Duration {
+    let (n, unit) = s.split_at(s.len() - 1);
+    let n: u64 = n.parse().unwrap();
+    match unit {
+        "n" => Duration::from_nanos(n),
+        "u" => Duration::from_micros(n),
+        "m" => Duration::from_millis(n),
+        "S" => Duration::from_secs(n),
+        other => panic!("unexpected unit {other}"),
+    }
+}
