@@ -7,9 +7,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{HeaderValue, Request, Response};
+use std::any::Any;
 use tokio::time::{Instant, Sleep};
 use tonic::Code;
 use tower::retry::Policy;
+use tower::retry::budget::Budget;
+
+use crate::budget::RetryBudget;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
@@ -121,9 +125,8 @@ where
 }
 
 /// The state of one call, cloned by `Retry` into the call's future.
-#[derive(Clone)]
-pub(crate) struct CallPolicy {
-    shared: Arc<Shared>,
+pub(crate) struct CallPolicy<Bu> {
+    shared: Arc<Shared<Bu>>,
     deadline: Option<Instant>,
     /// Attempts sent so far.
     sent: u32,
@@ -133,8 +136,21 @@ pub(crate) struct CallPolicy {
     tried: AlreadyTried,
 }
 
-impl CallPolicy {
-    pub(crate) fn new(shared: Arc<Shared>, deadline: Option<Instant>) -> Self {
+// Not derived: the budget itself need not be `Clone`, it is shared.
+impl<Bu> Clone for CallPolicy<Bu> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+            deadline: self.deadline,
+            sent: self.sent,
+            backoff_step: self.backoff_step,
+            tried: self.tried.clone(),
+        }
+    }
+}
+
+impl<Bu> CallPolicy<Bu> {
+    pub(crate) fn new(shared: Arc<Shared<Bu>>, deadline: Option<Instant>) -> Self {
         Self {
             shared,
             deadline,
@@ -201,7 +217,7 @@ impl Decision {
     }
 }
 
-impl CallPolicy {
+impl<Bu: Budget> CallPolicy<Bu> {
     /// Classify, then deadline, then budget: a token pays only for an attempt
     /// that will really be sent.
     fn decide(
@@ -214,7 +230,7 @@ impl CallPolicy {
         let Shared { policy, budget, .. } = &*self.shared;
         let server_delay = match verdict {
             Verdict::Committed | Verdict::Final(Code::Ok) => {
-                budget.deposit();
+                Budget::deposit(budget);
                 return Decision::Done("succeeded");
             }
             Verdict::Final(_) => return Decision::Done("not retryable"),
@@ -244,14 +260,24 @@ impl CallPolicy {
         {
             return Decision::NoTime { left, delay };
         }
-        if !budget.try_withdraw() {
+        if !budget.withdraw() {
             return Decision::NoBudget { delay };
         }
         Decision::Retry { delay }
     }
 }
 
-impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for CallPolicy {
+/// The balance to show in events: known for a [`RetryBudget`] only.
+fn tokens<Bu: 'static>(budget: &Bu) -> f64 {
+    (budget as &dyn Any)
+        .downcast_ref::<RetryBudget>()
+        .map_or(f64::NAN, RetryBudget::available)
+}
+
+impl<B, RB, E, Bu> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for CallPolicy<Bu>
+where
+    Bu: Budget + 'static,
+{
     type Future = Sleep;
 
     fn retry(
@@ -298,7 +324,7 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
                 .unwrap_or("-"),
             delay = ?decision.delay(),
             remaining = ?remaining,
-            tokens = budget.available(),
+            tokens = tokens(budget),
             "{}",
             decision.describe()
         );
@@ -358,7 +384,7 @@ impl<B, RB, E> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for
     }
 }
 
-impl std::fmt::Debug for CallPolicy {
+impl<Bu> std::fmt::Debug for CallPolicy<Bu> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallPolicy")
             .field("deadline", &self.deadline)

@@ -12,41 +12,46 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tonic::Code;
 use tower::BoxError;
+use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use crate::attempt::{Attempt, CallPolicy, Cut, status_response};
 use crate::body::ResponseBody;
+use crate::budget::RetryBudget;
 use crate::replay::ReplayBody;
 
-type Retrying<S, B> =
-    tower::retry::future::ResponseFuture<CallPolicy, Attempt<S, B>, Request<ReplayBody<B>>>;
+type Retrying<S, B, Bu> =
+    tower::retry::future::ResponseFuture<CallPolicy<Bu>, Attempt<S, B>, Request<ReplayBody<B>>>;
 
 pin_project! {
     /// Response future of [`RetryService`](crate::RetryService).
     ///
     /// Dropping it cancels the attempt in flight, or the backoff wait between
     /// attempts; nothing is left running.
-    pub struct ResponseFuture<S, B, RB>
+    pub struct ResponseFuture<S, B, RB, Bu = RetryBudget>
     where
         S: Service<Request<B>, Response = Response<RB>>,
         B: Body<Data = Bytes>,
         B: From<ReplayBody<B>>,
         B: Unpin,
         B::Error: Into<BoxError>,
+        Bu: Budget,
+        Bu: 'static,
     {
         #[pin]
-        inner: Retrying<S, B>,
+        inner: Retrying<S, B, Bu>,
         _body: PhantomData<fn() -> RB>,
     }
 }
 
-impl<S, B, RB> ResponseFuture<S, B, RB>
+impl<S, B, RB, Bu> ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>>,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
     B::Error: Into<BoxError>,
+    Bu: Budget + 'static,
 {
-    pub(crate) fn new(inner: Retrying<S, B>) -> Self {
+    pub(crate) fn new(inner: Retrying<S, B, Bu>) -> Self {
         Self {
             inner,
             _body: PhantomData,
@@ -54,11 +59,12 @@ where
     }
 }
 
-impl<S, B, RB> Future for ResponseFuture<S, B, RB>
+impl<S, B, RB, Bu> Future for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>>,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
     B::Error: Into<BoxError>,
+    Bu: Budget + 'static,
 {
     type Output = Result<Response<ResponseBody<RB>>, S::Error>;
 
@@ -67,11 +73,12 @@ where
     }
 }
 
-impl<S, B, RB> std::fmt::Debug for ResponseFuture<S, B, RB>
+impl<S, B, RB, Bu> std::fmt::Debug for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>>,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
     B::Error: Into<BoxError>,
+    Bu: Budget + 'static,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()

@@ -11,9 +11,12 @@ use crate::service::{RetryService, Shared};
 /// Applies [`RetryService`] to a service: see the [crate docs](crate).
 ///
 /// Clones share the budget and the [`RetryMetrics`].
-#[derive(Clone)]
-pub struct RetryLayer {
-    shared: Arc<Shared>,
+///
+/// The budget is a [`RetryBudget`] unless the layer is made with
+/// [`with_budget`](RetryLayer::with_budget), which takes any
+/// [`tower::retry::budget::Budget`] (tower's `TpsBudget`, say).
+pub struct RetryLayer<Bu = RetryBudget> {
+    shared: Arc<Shared<Bu>>,
 }
 
 impl RetryLayer {
@@ -21,6 +24,17 @@ impl RetryLayer {
     ///
     /// Give several layers clones of one budget to make them share it.
     pub fn new(policy: RetryPolicy, budget: RetryBudget) -> Self {
+        Self::with_budget(policy, budget)
+    }
+}
+
+impl<Bu> RetryLayer<Bu> {
+    /// A layer paying for retries from any `tower` retry budget.
+    ///
+    /// The layer deposits on each successful call and withdraws once per
+    /// retry, as with [`RetryBudget`]; only a [`RetryBudget`]'s balance shows in
+    /// the layer's tracing events.
+    pub fn with_budget(policy: RetryPolicy, budget: Bu) -> Self {
         Self {
             shared: Arc::new(Shared {
                 policy,
@@ -35,9 +49,10 @@ impl RetryLayer {
         &self.shared.policy
     }
 
-    /// The budget retries are paid from; its [`available`](RetryBudget::available)
-    /// balance is the `retry_budget_available` gauge.
-    pub fn budget(&self) -> &RetryBudget {
+    /// The budget retries are paid from; a [`RetryBudget`]'s
+    /// [`available`](RetryBudget::available) balance is the
+    /// `retry_budget_available` gauge.
+    pub fn budget(&self) -> &Bu {
         &self.shared.budget
     }
 
@@ -47,15 +62,23 @@ impl RetryLayer {
     }
 }
 
-impl<S> Layer<S> for RetryLayer {
-    type Service = RetryService<S>;
+impl<Bu> Clone for RetryLayer<Bu> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S, Bu> Layer<S> for RetryLayer<Bu> {
+    type Service = RetryService<S, Bu>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RetryService::from_shared(inner, Arc::clone(&self.shared))
     }
 }
 
-impl fmt::Debug for RetryLayer {
+impl<Bu: fmt::Debug> fmt::Debug for RetryLayer<Bu> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLayer")
             .field("policy", &self.shared.policy)

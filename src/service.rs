@@ -8,6 +8,7 @@ use http_body::Body;
 use tokio::time::Instant;
 use tower::BoxError;
 use tower::retry::Retry;
+use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use crate::attempt::{Attempt, CallPolicy};
@@ -21,9 +22,9 @@ use crate::policy::RetryPolicy;
 use crate::replay::ReplayBody;
 
 /// What every call through one layer shares.
-pub(crate) struct Shared {
+pub(crate) struct Shared<Bu> {
     pub(crate) policy: RetryPolicy,
-    pub(crate) budget: RetryBudget,
+    pub(crate) budget: Bu,
     pub(crate) metrics: RetryMetrics,
 }
 
@@ -45,15 +46,21 @@ pub(crate) struct Shared {
 ///
 /// The response body is wrapped in [`ResponseBody`](crate::ResponseBody), which
 /// passes frames through, so that the layer can answer with statuses of its own.
-#[derive(Clone)]
-pub struct RetryService<S> {
+pub struct RetryService<S, Bu = RetryBudget> {
     inner: S,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<Bu>>,
 }
 
 impl<S> RetryService<S> {
     /// Wraps `inner`, retrying by `policy` and paying from `budget`.
     pub fn new(inner: S, policy: RetryPolicy, budget: RetryBudget) -> Self {
+        Self::with_budget(inner, policy, budget)
+    }
+}
+
+impl<S, Bu> RetryService<S, Bu> {
+    /// Wraps `inner`, paying for retries from any `tower` retry budget.
+    pub fn with_budget(inner: S, policy: RetryPolicy, budget: Bu) -> Self {
         let shared = Arc::new(Shared {
             policy,
             budget,
@@ -62,7 +69,7 @@ impl<S> RetryService<S> {
         Self::from_shared(inner, shared)
     }
 
-    pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
+    pub(crate) fn from_shared(inner: S, shared: Arc<Shared<Bu>>) -> Self {
         Self { inner, shared }
     }
 
@@ -82,7 +89,7 @@ impl<S> RetryService<S> {
     }
 
     /// The budget retries are paid from.
-    pub fn budget(&self) -> &RetryBudget {
+    pub fn budget(&self) -> &Bu {
         &self.shared.budget
     }
 
@@ -92,15 +99,25 @@ impl<S> RetryService<S> {
     }
 }
 
-impl<S, B, RB> Service<Request<B>> for RetryService<S>
+impl<S: Clone, Bu> Clone for RetryService<S, Bu> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S, B, RB, Bu> Service<Request<B>> for RetryService<S, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
     B::Error: Into<BoxError>,
+    Bu: Budget + 'static,
 {
     type Response = Response<ResponseBody<RB>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, B, RB>;
+    type Future = ResponseFuture<S, B, RB, Bu>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -132,7 +149,7 @@ where
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for RetryService<S> {
+impl<S: fmt::Debug, Bu: fmt::Debug> fmt::Debug for RetryService<S, Bu> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryService")
             .field("inner", &self.inner)

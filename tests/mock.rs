@@ -659,3 +659,31 @@ async fn dropping_the_call_cancels_the_attempt_in_flight() {
         "the attempt's future was not dropped"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn any_tower_budget_can_pay_for_retries() {
+    use tower::retry::budget::TpsBudget;
+    // No reserve, no earnings: tower's budget refuses every retry.
+    let none = TpsBudget::new(Duration::from_secs(10), 0, 0.0);
+    let layer = RetryLayer::with_budget(RetryPolicy::default(), none);
+    let (inner, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::ResourceExhausted);
+    assert_eq!(layer.metrics().refused_by_budget(), 1);
+
+    // A generous one lets the retry through.
+    let plenty = TpsBudget::new(Duration::from_secs(10), 100, 0.5);
+    let layer = RetryLayer::with_budget(RetryPolicy::default(), plenty);
+    let (inner, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(Code::Unavailable));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
