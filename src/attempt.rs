@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::{HeaderValue, Request, Response};
 use std::any::Any;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 use tonic::Code;
 use tower::retry::Policy;
 use tower::retry::budget::Budget;
@@ -21,7 +21,7 @@ use crate::classify::{
     Verdict, classify_error, classify_response, code_name, repair_status_details,
 };
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout};
-use crate::future::AttemptFuture;
+use crate::future::{AttemptFuture, Backoff};
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
 use crate::metrics::Event;
 use crate::replay::ReplayBody;
@@ -124,9 +124,15 @@ where
     }
 }
 
-/// The state of one call, cloned by `Retry` into the call's future.
+/// One call's policy, cloned by `Retry` into the call's future: what every
+/// call shares, and this call's own state.
 pub(crate) struct CallPolicy<Bu> {
     shared: Arc<Shared<Bu>>,
+    state: CallState,
+}
+
+#[derive(Clone, Debug)]
+struct CallState {
     deadline: Option<Instant>,
     /// Attempts sent so far.
     sent: u32,
@@ -141,10 +147,7 @@ impl<Bu> Clone for CallPolicy<Bu> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
-            deadline: self.deadline,
-            sent: self.sent,
-            backoff_step: self.backoff_step,
-            tried: self.tried.clone(),
+            state: self.state.clone(),
         }
     }
 }
@@ -153,19 +156,30 @@ impl<Bu> CallPolicy<Bu> {
     pub(crate) fn new(shared: Arc<Shared<Bu>>, deadline: Option<Instant>) -> Self {
         Self {
             shared,
-            deadline,
-            sent: 1,
-            backoff_step: 0,
-            tried: AlreadyTried::default(),
+            state: CallState {
+                deadline,
+                sent: 1,
+                backoff_step: 0,
+                tried: AlreadyTried::default(),
+            },
         }
     }
+}
 
-    fn remaining(&self, now: Instant) -> Option<Duration> {
-        self.deadline.map(|d| d.saturating_duration_since(now))
+impl CallState {
+    /// Time left before the deadline, if the call has one. The clock is read
+    /// only then.
+    fn remaining(&self) -> Option<Duration> {
+        self.deadline
+            .map(|d| d.saturating_duration_since(Instant::now()))
     }
 
     /// Last touches on what the caller gets.
-    fn finish<RB, E>(&self, result: &mut Result<Response<ResponseBody<RB>>, E>, now: Instant) {
+    fn finish<RB, E>(
+        &self,
+        result: &mut Result<Response<ResponseBody<RB>>, E>,
+        remaining: Option<Duration>,
+    ) {
         match result {
             Ok(response) => {
                 repair_status_details(response.headers_mut());
@@ -173,7 +187,7 @@ impl<Bu> CallPolicy<Bu> {
             // tonic reports its own `grpc-timeout` expiry as a transport error
             // that its client turns into CANCELLED; the caller's deadline is
             // what ran out, so say so.
-            Err(_) if self.remaining(now).is_some_and(|left| left.is_zero()) => {
+            Err(_) if remaining.is_some_and(|left| left.is_zero()) => {
                 *result = Ok(status_response(
                     Code::DeadlineExceeded,
                     format!("call deadline exceeded during attempt {}", self.sent),
@@ -217,17 +231,18 @@ impl Decision {
     }
 }
 
-impl<Bu: Budget> CallPolicy<Bu> {
+impl CallState {
     /// Classify, then deadline, then budget: a token pays only for an attempt
     /// that will really be sent.
-    fn decide(
+    fn decide<Bu: Budget>(
         &mut self,
+        shared: &Shared<Bu>,
         verdict: Verdict,
         instance: Option<&HeaderValue>,
         replayable: bool,
         remaining: Option<Duration>,
     ) -> Decision {
-        let Shared { policy, budget, .. } = &*self.shared;
+        let Shared { policy, budget, .. } = shared;
         let server_delay = match verdict {
             Verdict::Committed | Verdict::Final(Code::Ok) => {
                 Budget::deposit(budget);
@@ -278,22 +293,22 @@ impl<B, RB, E, Bu> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E>
 where
     Bu: Budget + 'static,
 {
-    type Future = Sleep;
+    type Future = Backoff;
 
     fn retry(
         &mut self,
         req: &mut Request<ReplayBody<B>>,
         result: &mut Result<Response<ResponseBody<RB>>, E>,
-    ) -> Option<Sleep> {
-        let shared = Arc::clone(&self.shared);
+    ) -> Option<Backoff> {
+        let shared = &*self.shared;
+        let state = &mut self.state;
         let Shared {
             policy,
             budget,
             metrics,
-        } = &*shared;
+        } = shared;
         metrics.record(Event::Attempt);
-        let now = Instant::now();
-        let remaining = self.remaining(now);
+        let remaining = state.remaining();
         let (verdict, instance) = match &*result {
             Ok(response) => (
                 classify_response(response.status(), response.headers(), policy.retryable),
@@ -305,13 +320,14 @@ where
             ),
             Err(_) => (classify_error(policy.retryable), None),
         };
-        let decision = self.decide(
+        let decision = state.decide(
+            shared,
             verdict,
             instance.as_ref(),
             req.body().is_replayable(),
             remaining,
         );
-        let attempt = self.sent;
+        let attempt = state.sent;
         let name = code_name(verdict.code());
         tracing::debug!(
             attempt,
@@ -331,7 +347,7 @@ where
 
         match decision {
             Decision::Done(_) => {
-                self.finish(result, now);
+                state.finish(result, remaining);
                 None
             }
             Decision::NoTime { left, .. } => {
@@ -357,15 +373,15 @@ where
             Decision::Retry { delay } => {
                 metrics.record(Event::Retry);
                 let headers = req.headers_mut();
-                headers.insert(PREVIOUS_ATTEMPTS, HeaderValue::from(self.sent));
-                if !self.tried.is_empty() {
-                    if let Some(value) = self.tried.to_header() {
+                headers.insert(PREVIOUS_ATTEMPTS, HeaderValue::from(state.sent));
+                if !state.tried.is_empty() {
+                    if let Some(value) = state.tried.to_header() {
                         headers.insert(ALREADY_TRIED, value);
                     }
-                    req.extensions_mut().insert(self.tried.clone());
+                    req.extensions_mut().insert(state.tried.clone());
                 }
-                self.sent += 1;
-                Some(tokio::time::sleep(delay))
+                state.sent += 1;
+                Some(Backoff::new(delay))
             }
         }
     }
@@ -387,9 +403,7 @@ where
 impl<Bu> std::fmt::Debug for CallPolicy<Bu> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallPolicy")
-            .field("deadline", &self.deadline)
-            .field("sent", &self.sent)
-            .field("tried", &self.tried)
-            .finish()
+            .field("state", &self.state)
+            .finish_non_exhaustive()
     }
 }

@@ -15,15 +15,17 @@ use base64::Engine as _;
 use base64::alphabet;
 use base64::engine::DecodePaddingMode;
 use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig};
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, HeaderName, StatusCode};
 use tonic::Code;
 use tonic_types::StatusExt as _;
 
 use crate::policy::RetryableCodes;
 
-pub(crate) const GRPC_STATUS: &str = "grpc-status";
-pub(crate) const GRPC_STATUS_DETAILS: &str = "grpc-status-details-bin";
-pub(crate) const GRPC_RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+pub(crate) const GRPC_STATUS_DETAILS: HeaderName =
+    HeaderName::from_static("grpc-status-details-bin");
+pub(crate) const GRPC_RETRY_PUSHBACK: HeaderName =
+    HeaderName::from_static("grpc-retry-pushback-ms");
 
 /// The base64 flavour tonic decodes `grpc-status-details-bin` with: standard
 /// alphabet, padding optional. Checking with the same rules is what keeps
@@ -212,7 +214,7 @@ pub(crate) fn repair_status_details(headers: &mut HeaderMap) -> bool {
         return false;
     }
     tracing::warn!(
-        header = GRPC_STATUS_DETAILS,
+        header = GRPC_STATUS_DETAILS.as_str(),
         len = value.len(),
         "dropping a status details header that is not valid base64"
     );

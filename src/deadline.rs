@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
 
-pub(crate) const GRPC_TIMEOUT: &str = "grpc-timeout";
+pub(crate) const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
 /// The largest number the header may carry.
 const MAX_DIGITS_VALUE: u128 = 99_999_999;
@@ -70,7 +70,12 @@ pub(crate) fn format_grpc_timeout(timeout: Duration) -> HeaderValue {
             break;
         }
     }
-    HeaderValue::from_bytes(&buf[at..]).expect("digits and a unit letter are a valid header value")
+    let mut value = HeaderValue::from_bytes(&buf[at..])
+        .expect("digits and a unit letter are a valid header value");
+    // The time left differs on every attempt; keep it out of HPACK's dynamic
+    // table, where it would only evict the headers that repeat.
+    value.set_sensitive(true);
+    value
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use http::{HeaderValue, Request, Response};
+use http::{HeaderName, HeaderValue, Request, Response};
 use pin_project_lite::pin_project;
 use rand::Rng;
 use tokio::time::Sleep;
@@ -44,6 +44,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::classify::{GRPC_RETRY_PUSHBACK, code_name};
+use crate::deadline::GRPC_TIMEOUT;
 use crate::error::ConfigError;
 use crate::marks::{ALREADY_TRIED, IDEMPOTENCY_KEY, INSTANCE_ID, PREVIOUS_ATTEMPTS};
 
@@ -153,6 +154,7 @@ pub struct Rule {
 #[derive(Debug)]
 enum When {
     First(AtomicU64),
+    Every { n: u64, seen: AtomicU64 },
     Rate(f64),
     Always,
 }
@@ -161,6 +163,26 @@ impl Rule {
     /// The fault for the first `n` matching requests.
     pub fn first(n: u64, fault: Fault) -> Self {
         Self::new(When::First(AtomicU64::new(n)), fault)
+    }
+
+    /// The fault for every `n`th matching request: the 1st, the `n + 1`th, and
+    /// so on. `every(2, ..)` fails the first attempt of each call of a client
+    /// that calls one at a time and retries once: a deterministic rehearsal.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] if `n` is zero.
+    pub fn every(n: u64, fault: Fault) -> Result<Self, ConfigError> {
+        if n == 0 {
+            return Err(ConfigError::new("n", "must be at least 1, got 0"));
+        }
+        Ok(Self::new(
+            When::Every {
+                n,
+                seen: AtomicU64::new(0),
+            },
+            fault,
+        ))
     }
 
     /// The fault for each matching request with probability `rate`.
@@ -205,6 +227,7 @@ impl Rule {
         match &self.when {
             When::Always => true,
             When::Rate(p) => rand::rng().random_bool(*p),
+            When::Every { n, seen } => seen.fetch_add(1, Ordering::Relaxed).is_multiple_of(*n),
             When::First(left) => left
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
                 .is_ok(),
@@ -312,7 +335,7 @@ impl FaultLayer {
         self.state.requests.fetch_add(1, Ordering::Relaxed);
         let mut seen = lock(&self.state.seen);
         if seen.len() < SEEN_LIMIT {
-            let header = |name: &str| {
+            let header = |name: &HeaderName| {
                 req.headers()
                     .get(name)
                     .and_then(|v| v.to_str().ok())
@@ -320,10 +343,10 @@ impl FaultLayer {
             };
             seen.push(Seen {
                 path: path.to_owned(),
-                idempotency_key: header(IDEMPOTENCY_KEY),
-                previous_attempts: header(PREVIOUS_ATTEMPTS).and_then(|v| v.parse().ok()),
-                grpc_timeout: header("grpc-timeout"),
-                already_tried: header(ALREADY_TRIED),
+                idempotency_key: header(&IDEMPOTENCY_KEY),
+                previous_attempts: header(&PREVIOUS_ATTEMPTS).and_then(|v| v.parse().ok()),
+                grpc_timeout: header(&GRPC_TIMEOUT),
+                already_tried: header(&ALREADY_TRIED),
                 injected: fault.label(),
             });
         }
@@ -383,8 +406,10 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         FaultFuture {
+            // NOTE: no timer for no delay: a zero-length `Sleep` still waits for
+            // the timer's next tick, about a millisecond.
             state: FaultState::Waiting {
-                sleep: tokio::time::sleep(fault.delay),
+                sleep: (!fault.delay.is_zero()).then(|| tokio::time::sleep(fault.delay)),
             },
             inner: Some(inner),
             req: Some(req),
@@ -412,7 +437,7 @@ pin_project! {
 pin_project! {
     #[project = FaultStateProj]
     enum FaultState<F> {
-        Waiting { #[pin] sleep: Sleep },
+        Waiting { #[pin] sleep: Option<Sleep> },
         Calling { #[pin] future: F },
     }
 }
@@ -459,7 +484,9 @@ where
         loop {
             match this.state.as_mut().project() {
                 FaultStateProj::Waiting { sleep } => {
-                    ready!(sleep.poll(cx));
+                    if let Some(sleep) = sleep.as_pin_mut() {
+                        ready!(sleep.poll(cx));
+                    }
                     let response = match &*this.action {
                         Action::Status {
                             code,
@@ -531,6 +558,20 @@ mod tests {
         assert_eq!(layer.requests(), 4);
         let injected: Vec<_> = layer.seen().iter().map(|s| s.injected).collect();
         assert_eq!(injected, ["UNAVAILABLE", "UNAVAILABLE", "OK", "OK"]);
+    }
+
+    #[tokio::test]
+    async fn every_nth_request() {
+        let layer = FaultLayer::new("a")
+            .unwrap()
+            .with(Rule::every(3, Fault::unavailable()).unwrap());
+        let svc = layer.layer(echo());
+        let mut got = Vec::new();
+        for _ in 0..7 {
+            let r = svc.clone().oneshot(req("/x.Y/Get")).await.unwrap();
+            got.push(code(&r).to_owned());
+        }
+        assert_eq!(got, ["14", "0", "0", "14", "0", "0", "14"]);
     }
 
     #[tokio::test]
@@ -607,5 +648,9 @@ mod tests {
             "rate"
         );
         assert_eq!(FaultLayer::new("bad\nid").unwrap_err().field(), "instance");
+        assert_eq!(
+            Rule::every(0, Fault::unavailable()).unwrap_err().field(),
+            "n"
+        );
     }
 }

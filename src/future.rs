@@ -142,3 +142,32 @@ where
         Poll::Ready(Ok(status_response(Code::DeadlineExceeded, why.message())))
     }
 }
+
+pin_project! {
+    /// The wait before a retry. No delay means no timer: a zero-length `Sleep`
+    /// would still wait for the timer's next tick, about a millisecond.
+    #[derive(Debug)]
+    pub(crate) struct Backoff {
+        #[pin]
+        sleep: Option<Sleep>,
+    }
+}
+
+impl Backoff {
+    pub(crate) fn new(delay: std::time::Duration) -> Self {
+        Self {
+            sleep: (!delay.is_zero()).then(|| tokio::time::sleep(delay)),
+        }
+    }
+}
+
+impl Future for Backoff {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        match self.project().sleep.as_pin_mut() {
+            Some(sleep) => sleep.poll(cx),
+            None => Poll::Ready(()),
+        }
+    }
+}

@@ -144,6 +144,8 @@
 //! [tower]: https://docs.rs/tower
 //! [tonic]: https://docs.rs/tonic
 
+#![forbid(unsafe_code)]
+
 mod attempt;
 pub mod balance;
 mod body;

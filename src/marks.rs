@@ -4,17 +4,18 @@
 
 use std::fmt;
 
-use http::HeaderValue;
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
 
 /// The request header carrying the call's idempotency key.
-pub const IDEMPOTENCY_KEY: &str = "x-idempotency-key";
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency-key");
 /// The request header on attempt `n + 1` carrying `n` (gRPC A6).
-pub const PREVIOUS_ATTEMPTS: &str = "grpc-previous-rpc-attempts";
+pub const PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
 /// The request header naming, comma-separated, the instances that failed
 /// earlier attempts of this call.
-pub const ALREADY_TRIED: &str = "x-already-tried";
+pub const ALREADY_TRIED: HeaderName = HeaderName::from_static("x-already-tried");
 /// The default response header from which an answering instance's id is read.
-pub const INSTANCE_ID: &str = "x-instance-id";
+pub const INSTANCE_ID: HeaderName = HeaderName::from_static("x-instance-id");
 
 /// A fresh idempotency key: 128 random bits as 32 lowercase hex digits.
 pub(crate) fn new_idempotency_key() -> HeaderValue {
@@ -24,7 +25,17 @@ pub(crate) fn new_idempotency_key() -> HeaderValue {
     for (i, b) in buf.iter_mut().enumerate() {
         *b = HEX[((bits >> (124 - 4 * i)) & 0xf) as usize];
     }
-    HeaderValue::from_bytes(&buf).expect("hex digits are a valid header value")
+    // `from_owner` makes a reference-counted `Bytes` in one allocation; the
+    // header is cloned for every attempt, and a copied slice would allocate
+    // again on its first clone.
+    let mut key = HeaderValue::from_maybe_shared(Bytes::from_owner(buf))
+        .expect("hex digits are a valid header value");
+    // A value that never repeats must stay out of HPACK's dynamic table:
+    // indexing it would evict the headers that do repeat and make every
+    // request on the connection larger. "Sensitive" values are sent as
+    // never-indexed literals.
+    key.set_sensitive(true);
+    key
 }
 
 /// The instances that failed earlier attempts of this call.

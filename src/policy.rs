@@ -179,7 +179,7 @@ impl RetryPolicy {
             min_attempt_budget: Duration::from_millis(20),
             replay_limit: 64 * 1024,
             idempotency_key: true,
-            instance_header: Some(HeaderName::from_static(crate::marks::INSTANCE_ID)),
+            instance_header: Some(crate::marks::INSTANCE_ID),
         })
     }
 

@@ -39,7 +39,7 @@ struct Shared<B> {
     /// The caller's body, while it has more to give.
     source: Option<B>,
     /// A copy of every data chunk read so far, until the limit is passed.
-    chunks: Vec<Bytes>,
+    chunks: Kept,
     /// Data chunks read from the source, including ones no longer kept.
     read: usize,
     /// Bytes read from the source.
@@ -51,6 +51,48 @@ struct Shared<B> {
     trailers: Option<HeaderMap>,
     /// Clones waiting for the source to make progress.
     waiting: Vec<Waker>,
+}
+
+/// The kept chunks. Most gRPC requests are one chunk, which is kept inline;
+/// only a second chunk allocates.
+#[derive(Default)]
+struct Kept {
+    first: Option<Bytes>,
+    rest: Vec<Bytes>,
+}
+
+impl Kept {
+    fn push(&mut self, chunk: Bytes) {
+        if self.first.is_none() {
+            self.first = Some(chunk);
+        } else {
+            self.rest.push(chunk);
+        }
+    }
+
+    /// Chunk `i`; callers only ask for chunks that were kept.
+    fn get(&self, i: usize) -> &Bytes {
+        match (i, &self.first) {
+            (0, Some(first)) => first,
+            _ => &self.rest[i - 1],
+        }
+    }
+
+    /// Bytes kept from chunk `i` on.
+    fn bytes_from(&self, i: usize) -> u64 {
+        let first = self
+            .first
+            .iter()
+            .skip(i)
+            .map(|c| c.len() as u64)
+            .sum::<u64>();
+        let rest = self
+            .rest
+            .iter()
+            .skip(i.saturating_sub(1))
+            .map(|c| c.len() as u64);
+        first + rest.sum::<u64>()
+    }
 }
 
 /// Why a clone of a [`ReplayBody`] could not give the whole body again.
@@ -84,7 +126,7 @@ impl<B: Body> ReplayBody<B> {
         ReplayBody {
             shared: Arc::new(Mutex::new(Shared {
                 source: Some(body),
-                chunks: Vec::new(),
+                chunks: Kept::default(),
                 read: 0,
                 bytes: 0,
                 limit,
@@ -150,7 +192,7 @@ impl<B> Shared<B> {
                 "request body outgrew the replay limit; the call will not be retried"
             );
             self.capped = true;
-            self.chunks = Vec::new();
+            self.chunks = Kept::default();
         } else {
             self.chunks.push(chunk.clone());
         }
@@ -178,7 +220,7 @@ where
             if shared.capped {
                 return Poll::Ready(Some(Err(ReplayError::Capped.into())));
             }
-            let chunk = shared.chunks[this.pos].clone();
+            let chunk = shared.chunks.get(this.pos).clone();
             this.pos += 1;
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
@@ -256,10 +298,7 @@ where
         if shared.capped && self.pos < shared.read {
             return SizeHint::default();
         }
-        let kept: u64 = shared.chunks[self.pos.min(shared.chunks.len())..]
-            .iter()
-            .map(|c| c.len() as u64)
-            .sum();
+        let kept = shared.chunks.bytes_from(self.pos);
         match &shared.source {
             None => SizeHint::with_exact(kept),
             Some(source) => {

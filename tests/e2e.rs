@@ -215,8 +215,8 @@ async fn one_deadline_covers_every_attempt_and_ends_as_deadline_exceeded() {
 async fn a_lost_write_is_retried_with_its_key_and_applied_exactly_once() {
     const CALLS: u32 = 40;
     let shelf = Shelf::with_stock("isbn-9", 1_000);
-    // Every other request is applied, then its response is lost.
-    let lossy = Rule::rate(0.5, Fault::lose_response(Code::Unavailable))
+    // Every call's first attempt is applied, then its response is lost.
+    let lossy = Rule::every(2, Fault::lose_response(Code::Unavailable))
         .unwrap()
         .on_method("ReserveStock");
     let server = Instance::start(shelf.clone(), faults("a").with(lossy)).await;

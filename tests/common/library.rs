@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_stream::{Stream, StreamExt};
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_retry::fault::FaultLayer;
@@ -167,7 +168,9 @@ impl Instance {
 
     fn serve(&mut self, listener: tokio::net::TcpListener) {
         let (stop, stopped) = oneshot::channel::<()>();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // Without TCP_NODELAY on the server's side, small responses wait on
+        // Nagle's algorithm and every call takes a millisecond or more.
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let server = Server::builder()
             .layer(self.faults.clone())
             .add_service(LibraryServer::new(self.shelf.clone()))

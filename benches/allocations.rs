@@ -1,0 +1,117 @@
+//! Heap allocations per successful call: (a) no layer, (b) tower's `Retry` with
+//! a body-buffering policy and `Arc<TpsBudget>`, (c) `RetryLayer`, counted by a
+//! global allocator that counts. Not a timing: the counts are exact and
+//! repeatable.
+
+// A global allocator is an unsafe trait; this one only counts and delegates.
+#![allow(unsafe_code)]
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::*;
+use tonic_retry::RetryPolicy;
+
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+static BYTES: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every method delegates to `System` with the caller's arguments.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+        // SAFETY: the caller's contract for `alloc` is passed on unchanged.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System.alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
+        // SAFETY: as for `alloc` and `dealloc`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const CALLS: u64 = 10_000;
+
+async fn count<S, R>(mut svc: S, payload: &'static [u8]) -> (f64, f64)
+where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<R>,
+            Error = tower::BoxError,
+        >,
+{
+    // Warm up: thread-locals, the random generator, lazily built statics.
+    for _ in 0..100 {
+        call(&mut svc, payload).await;
+    }
+    let (a0, b0) = (
+        ALLOCATIONS.load(Ordering::Relaxed),
+        BYTES.load(Ordering::Relaxed),
+    );
+    for _ in 0..CALLS {
+        call(&mut svc, payload).await;
+    }
+    let (a1, b1) = (
+        ALLOCATIONS.load(Ordering::Relaxed),
+        BYTES.load(Ordering::Relaxed),
+    );
+    (
+        (a1 - a0) as f64 / CALLS as f64,
+        (b1 - b0) as f64 / CALLS as f64,
+    )
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime");
+    rt.block_on(async {
+        println!("allocations per successful call ({CALLS} calls each, in-memory OK service)");
+        println!("{:<34} {:>12} {:>14}", "stack", "allocations", "bytes");
+        for (label, payload) in [("16 B", &SMALL[..]), ("16 KiB", &LARGE[..])] {
+            let rows = [
+                ("a no layer", count(inner_ok(), payload).await),
+                (
+                    "b tower Retry + TpsBudget",
+                    count(tower_retry(inner_ok()), payload).await,
+                ),
+                (
+                    "c RetryLayer",
+                    count(layered(inner_ok(), RetryPolicy::default()), payload).await,
+                ),
+                (
+                    "c RetryLayer, no key",
+                    count(
+                        layered(
+                            inner_ok(),
+                            RetryPolicy::default().with_idempotency_key(false),
+                        ),
+                        payload,
+                    )
+                    .await,
+                ),
+            ];
+            for (name, (allocs, bytes)) in rows {
+                println!(
+                    "{:<34} {allocs:>12.2} {bytes:>14.1}",
+                    format!("{name} ({label})")
+                );
+            }
+        }
+    });
+}

@@ -1,0 +1,178 @@
+//! What the benchmarks share: the in-memory inner service, the request, and
+//! the three stacks compared — (a) no layer, (b) what a user writes with tower
+//! alone (`tower::retry::Retry`, a minimal policy that buffers the body, and an
+//! `Arc<TpsBudget>`), (c) `RetryLayer`.
+
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use tonic::body::Body;
+use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tower::retry::budget::{Budget, TpsBudget};
+use tower::retry::{Policy, Retry};
+use tower::{BoxError, Layer, Service, ServiceExt};
+
+pub static SMALL: [u8; 16] = [7; 16];
+pub static LARGE: [u8; 16 * 1024] = [7; 16 * 1024];
+
+/// A unary gRPC request carrying `payload`, with the headers tonic's client
+/// sets (static values, as tonic makes them).
+pub fn request(payload: &'static [u8]) -> Request<Body> {
+    Request::builder()
+        .method("POST")
+        .uri("http://bench/library.v1.Library/GetBook")
+        .header(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        )
+        .header(http::header::TE, http::HeaderValue::from_static("trailers"))
+        .body(Body::new(Full::new(Bytes::from_static(payload))))
+        .expect("a valid request")
+}
+
+fn ok() -> Response<Body> {
+    Response::builder()
+        .header(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        )
+        .body(Body::empty())
+        .expect("a valid response")
+}
+
+fn unavailable() -> Response<Body> {
+    tonic::Status::unavailable("bench").into_http()
+}
+
+/// Reads the whole request body, then answers OK: an in-memory server.
+pub fn inner_ok()
+-> impl Service<Request<Body>, Response = Response<Body>, Error = BoxError, Future: Send>
++ Clone
++ Send
++ 'static {
+    tower::service_fn(|req: Request<Body>| async move {
+        req.into_body().collect().await?;
+        Ok::<_, BoxError>(ok())
+    })
+}
+
+/// Like [`inner_ok`], but every other call fails with UNAVAILABLE: called
+/// sequentially, each call fails once and then succeeds.
+pub fn inner_fails_once()
+-> impl Service<Request<Body>, Response = Response<Body>, Error = BoxError, Future: Send>
++ Clone
++ Send
++ 'static {
+    let calls = Arc::new(AtomicU64::new(0));
+    tower::service_fn(move |req: Request<Body>| {
+        let n = calls.fetch_add(1, Ordering::Relaxed);
+        async move {
+            req.into_body().collect().await?;
+            Ok::<_, BoxError>(if n.is_multiple_of(2) {
+                unavailable()
+            } else {
+                ok()
+            })
+        }
+    })
+}
+
+/// (b): the retry policy a user writes for tower's `Retry`: retry
+/// UNAVAILABLE and transport errors, paid from a shared `TpsBudget`.
+#[derive(Clone)]
+pub struct TowerPolicy {
+    budget: Arc<TpsBudget>,
+}
+
+impl<E> Policy<Request<Bytes>, Response<Body>, E> for TowerPolicy {
+    type Future = std::future::Ready<()>;
+
+    fn retry(
+        &mut self,
+        _: &mut Request<Bytes>,
+        result: &mut Result<Response<Body>, E>,
+    ) -> Option<Self::Future> {
+        let failed = match result {
+            Ok(r) => r.headers().get("grpc-status").is_some_and(|v| v == "14"),
+            Err(_) => true,
+        };
+        if !failed {
+            self.budget.deposit();
+            return None;
+        }
+        self.budget.withdraw().then(|| std::future::ready(()))
+    }
+
+    fn clone_request(&mut self, req: &Request<Bytes>) -> Option<Request<Bytes>> {
+        let mut clone = Request::new(req.body().clone());
+        *clone.method_mut() = req.method().clone();
+        *clone.uri_mut() = req.uri().clone();
+        *clone.version_mut() = req.version();
+        *clone.headers_mut() = req.headers().clone();
+        *clone.extensions_mut() = req.extensions().clone();
+        Some(clone)
+    }
+}
+
+/// (b): tower alone. The body is buffered first (tower's `Retry` needs a
+/// clonable request), then sent through `Retry`.
+pub fn tower_retry<S>(
+    inner: S,
+) -> impl Service<Request<Body>, Response = Response<Body>, Error = BoxError, Future: Send>
++ Clone
++ Send
++ 'static
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = BoxError, Future: Send>
+        + Clone
+        + Send
+        + 'static,
+{
+    let budget = Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2));
+    let inner = tower::util::MapRequest::new(inner, |r: Request<Bytes>| {
+        r.map(|b| Body::new(Full::new(b)))
+    });
+    let retry = Retry::new(TowerPolicy { budget }, inner);
+    tower::service_fn(move |req: Request<Body>| {
+        let retry = retry.clone();
+        async move {
+            let (parts, body) = req.into_parts();
+            let body = body.collect().await?.to_bytes();
+            retry.oneshot(Request::from_parts(parts, body)).await
+        }
+    })
+}
+
+/// (c): this crate's layer.
+pub fn layered<S>(inner: S, policy: RetryPolicy) -> tonic_retry::RetryService<S> {
+    let layer = RetryLayer::new(
+        policy,
+        RetryBudget::new(1_000, 0.1).expect("a valid budget"),
+    );
+    layer.layer(inner)
+}
+
+/// One call, to the end of the response.
+pub async fn call<S, R>(svc: &mut S, payload: &'static [u8])
+where
+    S: Service<Request<Body>, Response = Response<R>, Error = BoxError>,
+{
+    let response = svc
+        .ready()
+        .await
+        .expect("ready")
+        .call(request(payload))
+        .await
+        .expect("a response");
+    std::hint::black_box(response);
+}
+
+pub fn zero_backoff() -> RetryPolicy {
+    RetryPolicy::new(3, Duration::ZERO, Duration::ZERO, 0.0).expect("a valid policy")
+}

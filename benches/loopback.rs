@@ -1,0 +1,170 @@
+//! A real tonic server and client on 127.0.0.1: unary `GetBook` calls, one at a
+//! time, without and with `RetryLayer`, in the same run. Criterion times the
+//! calls (their inverse is calls/s); then the clients take turns call by call
+//! to read calls/s and p50/p99 latency under the same conditions.
+
+#[path = "../tests/common/library.rs"]
+mod library;
+
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use library::Shelf;
+use library::pb::GetBookRequest;
+use library::pb::library_client::LibraryClient;
+use library::pb::library_server::LibraryServer;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Server};
+use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy, RetryService};
+use tower::ServiceBuilder;
+
+type Plain = LibraryClient<Channel>;
+type Layered = LibraryClient<RetryService<Channel>>;
+
+fn request() -> GetBookRequest {
+    GetBookRequest {
+        isbn: "978-0-00-000000-0".into(),
+    }
+}
+
+macro_rules! timed_calls {
+    ($client:expr, $iters:expr) => {{
+        let mut client = $client.clone();
+        let start = Instant::now();
+        for _ in 0..$iters {
+            std::hint::black_box(
+                client
+                    .get_book(request())
+                    .await
+                    .expect("the server answers"),
+            );
+        }
+        start.elapsed()
+    }};
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let (plain, layered, no_key) = rt.block_on(async {
+        // A plain tonic server: no fault layer, nothing recorded.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let addr = listener.local_addr().expect("an address");
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        tokio::spawn(
+            Server::builder()
+                .add_service(LibraryServer::new(Shelf::default()))
+                .serve_with_incoming(incoming),
+        );
+        let plain: Plain = LibraryClient::new(library::channel(addr));
+        let layer = RetryLayer::new(
+            RetryPolicy::default(),
+            RetryBudget::new(200, 0.1).expect("a budget"),
+        );
+        let layered: Layered = LibraryClient::new(
+            ServiceBuilder::new()
+                .layer(layer)
+                .service(library::channel(addr)),
+        );
+        let no_key = RetryLayer::new(
+            RetryPolicy::default().with_idempotency_key(false),
+            RetryBudget::new(200, 0.1).expect("a budget"),
+        );
+        let no_key: Layered = LibraryClient::new(
+            ServiceBuilder::new()
+                .layer(no_key)
+                .service(library::channel(addr)),
+        );
+        no_key
+            .clone()
+            .get_book(request())
+            .await
+            .expect("the server answers");
+        // Connect both before measuring.
+        plain
+            .clone()
+            .get_book(request())
+            .await
+            .expect("the server answers");
+        layered
+            .clone()
+            .get_book(request())
+            .await
+            .expect("the server answers");
+        (plain, layered, no_key)
+    });
+
+    let mut c = Criterion::default().configure_from_args();
+    {
+        let mut group = c.benchmark_group("loopback");
+        group.throughput(Throughput::Elements(1));
+        group.bench_function("without_layer", |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let plain = plain.clone();
+                async move { timed_calls!(plain, iters) }
+            })
+        });
+        group.bench_function("with_layer", |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let layered = layered.clone();
+                async move { timed_calls!(layered, iters) }
+            })
+        });
+        group.bench_function("with_layer_no_key", |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let no_key = no_key.clone();
+                async move { timed_calls!(no_key, iters) }
+            })
+        });
+        group.finish();
+    }
+    c.final_summary();
+
+    // Latency percentiles and throughput, the three clients taking turns call
+    // by call, so that drift on a shared machine hits them alike.
+    const ROUNDS: usize = 10_000;
+    let mut lat = [Vec::new(), Vec::new(), Vec::new()];
+    rt.block_on(async {
+        let (mut p, mut l, mut n) = (plain.clone(), layered.clone(), no_key.clone());
+        for round in 0..ROUNDS {
+            for turn in 0..3 {
+                // Rotate who goes first, too.
+                let which = (round + turn) % 3;
+                let t = Instant::now();
+                match which {
+                    0 => drop(p.get_book(request()).await.expect("the server answers")),
+                    1 => drop(l.get_book(request()).await.expect("the server answers")),
+                    _ => drop(n.get_book(request()).await.expect("the server answers")),
+                }
+                lat[which].push(t.elapsed());
+            }
+        }
+    });
+    let total = |l: &Vec<Duration>| l.iter().sum::<Duration>();
+    let [mut without, mut with, mut with_no_key] = lat;
+    let (t_without, t_with, t_no_key) = (total(&without), total(&with), total(&with_no_key));
+    let report = |name: &str, lat: &mut Vec<Duration>, total: Duration| {
+        lat.sort();
+        let pct = |p: f64| lat[((lat.len() - 1) as f64 * p).round() as usize];
+        println!(
+            "loopback {name:<14} {:>8.0} calls/s   p50 {:>7.1?}   p99 {:>7.1?}",
+            lat.len() as f64 / total.as_secs_f64(),
+            pct(0.50),
+            pct(0.99)
+        );
+        lat.len() as f64 / total.as_secs_f64()
+    };
+    let a = report("without layer", &mut without, t_without);
+    let b = report("with layer", &mut with, t_with);
+    let c = report("with, no key", &mut with_no_key, t_no_key);
+    println!(
+        "loopback throughput with the layer: {:.1} % of without ({:.1} % with key generation off)",
+        100.0 * b / a,
+        100.0 * c / a
+    );
+}
