@@ -282,6 +282,18 @@ impl CallState {
     }
 }
 
+/// `grpc-previous-rpc-attempts` for attempt `sent + 1`; attempts are capped at
+/// five, so the common values need no allocation.
+fn previous_attempts(sent: u32) -> HeaderValue {
+    match sent {
+        1 => HeaderValue::from_static("1"),
+        2 => HeaderValue::from_static("2"),
+        3 => HeaderValue::from_static("3"),
+        4 => HeaderValue::from_static("4"),
+        n => HeaderValue::from(n),
+    }
+}
+
 /// The balance to show in events: known for a [`RetryBudget`] only.
 fn tokens<Bu: 'static>(budget: &Bu) -> f64 {
     (budget as &dyn Any)
@@ -373,7 +385,7 @@ where
             Decision::Retry { delay } => {
                 metrics.record(Event::Retry);
                 let headers = req.headers_mut();
-                headers.insert(PREVIOUS_ATTEMPTS, HeaderValue::from(state.sent));
+                headers.insert(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));
                 if !state.tried.is_empty() {
                     if let Some(value) = state.tried.to_header() {
                         headers.insert(ALREADY_TRIED, value);
