@@ -125,46 +125,64 @@ fn main() {
     }
     c.final_summary();
 
-    // Latency percentiles and throughput, the three clients taking turns call
-    // by call, so that drift on a shared machine hits them alike.
+    // Latency percentiles and throughput, the clients taking turns call by
+    // call, so that drift on a shared machine hits them alike. The fourth is
+    // the bare client sending a fresh random key of its own: what sending an
+    // idempotency key costs on the wire and at the server, layer or not.
     const ROUNDS: usize = 10_000;
-    let mut lat = [Vec::new(), Vec::new(), Vec::new()];
+    const CLIENTS: usize = 4;
+    let mut lat: [Vec<Duration>; CLIENTS] = Default::default();
     rt.block_on(async {
-        let (mut p, mut l, mut n) = (plain.clone(), layered.clone(), no_key.clone());
+        let (mut p, mut l, mut n, mut k) = (
+            plain.clone(),
+            layered.clone(),
+            no_key.clone(),
+            plain.clone(),
+        );
         for round in 0..ROUNDS {
-            for turn in 0..3 {
+            for turn in 0..CLIENTS {
                 // Rotate who goes first, too.
-                let which = (round + turn) % 3;
+                let which = (round + turn) % CLIENTS;
                 let t = Instant::now();
                 match which {
                     0 => drop(p.get_book(request()).await.expect("the server answers")),
                     1 => drop(l.get_book(request()).await.expect("the server answers")),
-                    _ => drop(n.get_book(request()).await.expect("the server answers")),
+                    2 => drop(n.get_book(request()).await.expect("the server answers")),
+                    _ => {
+                        let mut req = tonic::Request::new(request());
+                        let key = format!("{:032x}", rand::random::<u128>());
+                        let mut key =
+                            tonic::metadata::MetadataValue::try_from(key).expect("hex is ASCII");
+                        key.set_sensitive(true);
+                        req.metadata_mut().insert("x-idempotency-key", key);
+                        drop(k.get_book(req).await.expect("the server answers"))
+                    }
                 }
                 lat[which].push(t.elapsed());
             }
         }
     });
-    let total = |l: &Vec<Duration>| l.iter().sum::<Duration>();
-    let [mut without, mut with, mut with_no_key] = lat;
-    let (t_without, t_with, t_no_key) = (total(&without), total(&with), total(&with_no_key));
-    let report = |name: &str, lat: &mut Vec<Duration>, total: Duration| {
+    let report = |name: &str, lat: &mut Vec<Duration>| {
+        let total: Duration = lat.iter().sum();
         lat.sort();
         let pct = |p: f64| lat[((lat.len() - 1) as f64 * p).round() as usize];
         println!(
-            "loopback {name:<14} {:>8.0} calls/s   p50 {:>7.1?}   p99 {:>7.1?}",
+            "loopback {name:<28} {:>8.0} calls/s   p50 {:>7.1?}   p99 {:>7.1?}",
             lat.len() as f64 / total.as_secs_f64(),
             pct(0.50),
             pct(0.99)
         );
         lat.len() as f64 / total.as_secs_f64()
     };
-    let a = report("without layer", &mut without, t_without);
-    let b = report("with layer", &mut with, t_with);
-    let c = report("with, no key", &mut with_no_key, t_no_key);
+    let [mut without, mut with, mut with_no_key, mut own_key] = lat;
+    let a = report("without layer", &mut without);
+    let b = report("with layer", &mut with);
+    let c = report("with layer, key generation off", &mut with_no_key);
+    let d = report("without layer, own random key", &mut own_key);
     println!(
-        "loopback throughput with the layer: {:.1} % of without ({:.1} % with key generation off)",
+        "loopback throughput, % of without the layer: with {:.1} %, with key generation off {:.1} %, bare client sending its own key {:.1} %",
         100.0 * b / a,
-        100.0 * c / a
+        100.0 * c / a,
+        100.0 * d / a
     );
 }
