@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::time::Instant;
-
 use common::*;
 use criterion::{Criterion, criterion_group, criterion_main};
 use tonic_retry::RetryPolicy;
@@ -22,16 +20,8 @@ macro_rules! bench_stack {
     ($group:expr, $rt:expr, $name:expr, $svc:expr, $payload:expr) => {{
         let svc = $svc;
         $group.bench_function($name, |b| {
-            b.to_async(&$rt).iter_custom(|iters| {
-                let mut svc = svc.clone();
-                async move {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        call(&mut svc, $payload).await;
-                    }
-                    start.elapsed()
-                }
-            })
+            b.to_async(&$rt)
+                .iter_custom(|iters| timed(svc.clone(), iters, $payload))
         });
     }};
 }

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::time::Instant;
-
 use common::*;
 use criterion::{Criterion, criterion_group, criterion_main};
 
@@ -17,29 +15,13 @@ fn retry_path(c: &mut Criterion) {
     let mut group = c.benchmark_group("retry_path");
     let b_svc = tower_retry(inner_fails_once());
     group.bench_function("b_tower_retry", |b| {
-        b.to_async(&rt).iter_custom(|iters| {
-            let mut svc = b_svc.clone();
-            async move {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    call(&mut svc, &SMALL).await;
-                }
-                start.elapsed()
-            }
-        })
+        b.to_async(&rt)
+            .iter_custom(|iters| timed(b_svc.clone(), iters, &SMALL))
     });
     let c_svc = layered(inner_fails_once(), zero_backoff());
     group.bench_function("c_retry_layer", |b| {
-        b.to_async(&rt).iter_custom(|iters| {
-            let mut svc = c_svc.clone();
-            async move {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    call(&mut svc, &SMALL).await;
-                }
-                start.elapsed()
-            }
-        })
+        b.to_async(&rt)
+            .iter_custom(|iters| timed(c_svc.clone(), iters, &SMALL))
     });
     group.finish();
 }

@@ -173,6 +173,18 @@ where
     std::hint::black_box(response);
 }
 
+/// `iters` calls one after another; the time they took.
+pub async fn timed<S, R>(mut svc: S, iters: u64, payload: &'static [u8]) -> std::time::Duration
+where
+    S: Service<Request<Body>, Response = Response<R>, Error = BoxError>,
+{
+    let start = std::time::Instant::now();
+    for _ in 0..iters {
+        call(&mut svc, payload).await;
+    }
+    start.elapsed()
+}
+
 pub fn zero_backoff() -> RetryPolicy {
     RetryPolicy::new(3, Duration::ZERO, Duration::ZERO, 0.0).expect("a valid policy")
 }
