@@ -7,6 +7,8 @@
 #![allow(unsafe_code)]
 
 mod common;
+#[path = "../tests/common/library.rs"]
+mod library;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -75,11 +77,75 @@ where
     )
 }
 
+/// Allocations per call over a real tonic client and server on loopback,
+/// both sides counted (they share the process).
+async fn loopback() {
+    use library::pb::GetBookRequest;
+    use library::pb::library_client::LibraryClient;
+    use library::pb::library_server::LibraryServer;
+    use tonic::transport::Server;
+    use tonic::transport::server::TcpIncoming;
+    use tonic_retry::{RetryBudget, RetryLayer};
+    use tower::ServiceBuilder;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("an address");
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(
+        Server::builder()
+            .add_service(LibraryServer::new(library::Shelf::default()))
+            .serve_with_incoming(incoming),
+    );
+    let layer = |policy: RetryPolicy| {
+        RetryLayer::new(policy, RetryBudget::new(200, 0.1).expect("a budget"))
+    };
+    let mut plain = LibraryClient::new(library::channel(addr));
+    let mut with = LibraryClient::new(
+        ServiceBuilder::new()
+            .layer(layer(RetryPolicy::default()))
+            .service(library::channel(addr)),
+    );
+    let mut no_key = LibraryClient::new(
+        ServiceBuilder::new()
+            .layer(layer(RetryPolicy::default().with_idempotency_key(false)))
+            .service(library::channel(addr)),
+    );
+    const N: u64 = 2_000;
+    macro_rules! per_call {
+        ($client:expr) => {{
+            for _ in 0..100 {
+                $client
+                    .get_book(GetBookRequest::default())
+                    .await
+                    .expect("the server answers");
+            }
+            let before = ALLOCATIONS.load(Ordering::Relaxed);
+            for _ in 0..N {
+                $client
+                    .get_book(GetBookRequest::default())
+                    .await
+                    .expect("the server answers");
+            }
+            (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / N as f64
+        }};
+    }
+    println!(
+        "\nallocations per call over tonic on loopback, client and server together ({N} calls each)"
+    );
+    println!("{:<34} {:>12.1}", "no layer", per_call!(plain));
+    println!("{:<34} {:>12.1}", "RetryLayer", per_call!(with));
+    println!("{:<34} {:>12.1}", "RetryLayer, no key", per_call!(no_key));
+}
+
 fn main() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
         .build()
         .expect("a runtime");
+    rt.block_on(loopback());
     rt.block_on(async {
         println!("allocations per successful call ({CALLS} calls each, in-memory OK service)");
         println!("{:<34} {:>12} {:>14}", "stack", "allocations", "bytes");
