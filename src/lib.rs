@@ -134,6 +134,17 @@
 //!   retried (gRPC A6 calls such a response committed).
 //! * The layer needs a tokio runtime with the time driver enabled, as tonic does.
 //!
+//! # Also in this crate
+//!
+//! * [`balance::PreferUntried`]: an in-process balancer that honours the
+//!   already-tried mark, so retries land on another instance.
+//! * `fault` (cargo feature `fault`): a server-side layer injecting gRPC
+//!   failures, delays, pushback and lost responses by rule, to rehearse retry
+//!   settings against real servers.
+//! * [`RetryLayer::with_budget`]: pay for retries from any
+//!   [`tower::retry::budget::Budget`] (tower's `TpsBudget`, say) instead of a
+//!   [`RetryBudget`].
+//!
 //! # Observability
 //!
 //! Every finished attempt emits a `tracing` event at `DEBUG` level (attempt
