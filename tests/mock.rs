@@ -687,3 +687,17 @@ async fn any_tower_budget_can_pay_for_retries() {
     send.send_response(ok());
     assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_deadline_already_passed_sends_nothing() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "0n")).await;
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(layer.budget().available(), 100.0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "an attempt was sent with no time left"
+    );
+}
