@@ -82,22 +82,10 @@ where
 async fn loopback() {
     use library::pb::GetBookRequest;
     use library::pb::library_client::LibraryClient;
-    use library::pb::library_server::LibraryServer;
-    use tonic::transport::Server;
-    use tonic::transport::server::TcpIncoming;
     use tonic_retry::{RetryBudget, RetryLayer};
     use tower::ServiceBuilder;
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind loopback");
-    let addr = listener.local_addr().expect("an address");
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    tokio::spawn(
-        Server::builder()
-            .add_service(LibraryServer::new(library::Shelf::default()))
-            .serve_with_incoming(incoming),
-    );
+    let addr = library::serve_plain(library::Shelf::default()).await;
     let layer = |policy: RetryPolicy| {
         RetryLayer::new(policy, RetryBudget::new(200, 0.1).expect("a budget"))
     };

@@ -12,9 +12,7 @@ use criterion::{Criterion, Throughput};
 use library::Shelf;
 use library::pb::GetBookRequest;
 use library::pb::library_client::LibraryClient;
-use library::pb::library_server::LibraryServer;
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Channel, Server};
+use tonic::transport::Channel;
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy, RetryService};
 use tower::ServiceBuilder;
 
@@ -51,16 +49,7 @@ fn main() {
         .expect("a runtime");
     let (plain, layered, no_key) = rt.block_on(async {
         // A plain tonic server: no fault layer, nothing recorded.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind loopback");
-        let addr = listener.local_addr().expect("an address");
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-        tokio::spawn(
-            Server::builder()
-                .add_service(LibraryServer::new(Shelf::default()))
-                .serve_with_incoming(incoming),
-        );
+        let addr = library::serve_plain(Shelf::default()).await;
         let plain: Plain = LibraryClient::new(library::channel(addr));
         let layer = RetryLayer::new(
             RetryPolicy::default(),

@@ -223,6 +223,22 @@ impl Drop for Instance {
     }
 }
 
+/// Serves `shelf` on `127.0.0.1:0` with no fault layer and nothing recorded,
+/// for measurements; the server runs until the runtime stops.
+pub async fn serve_plain(shelf: Shelf) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local address");
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(
+        Server::builder()
+            .add_service(LibraryServer::new(shelf))
+            .serve_with_incoming(incoming),
+    );
+    addr
+}
+
 pub fn channel(addr: SocketAddr) -> Channel {
     Endpoint::from_shared(format!("http://{addr}"))
         .expect("a valid URI")
