@@ -491,3 +491,36 @@ async fn works_under_timeout_concurrency_limit_and_load_shed() {
     assert!(ok > 0, "nothing got through ({shed} shed)");
     assert!(layer.metrics().attempts() >= ok);
 }
+
+#[tokio::test]
+async fn a_client_stream_still_being_written_is_replayed_and_continued_on_retry() {
+    // The first attempt is refused at once, while the caller is still writing
+    // its stream; the retry must replay what was written and then carry on.
+    let server = Instance::with_faults(
+        faults("a").with(Rule::first(1, Fault::unavailable()).on_method("ImportBooks")),
+    )
+    .await;
+    let mut client = connect(&server, &layer());
+    let sent = books(12);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Book>(4);
+    let writer = {
+        let sent = sent.clone();
+        tokio::spawn(async move {
+            for (i, book) in sent.into_iter().enumerate() {
+                if i == 3 || i == 8 {
+                    tokio::time::sleep(50 * MS).await;
+                }
+                tx.send(book).await.expect("the call is still reading");
+            }
+        })
+    };
+    let call = client.import_books(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let got = bounded(call).await.expect("the retry succeeds");
+    writer.await.unwrap();
+    assert_eq!(got.into_inner(), summary(&sent));
+    assert_eq!(server.faults.requests(), 2);
+    assert_eq!(
+        *server.shelf().imports.lock().unwrap(),
+        [(12, summary(&sent).bytes)]
+    );
+}
