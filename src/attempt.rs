@@ -6,17 +6,17 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderValue, Request, Response};
 use std::any::Any;
+
+use http::{HeaderValue, Request, Response};
 use tokio::time::Instant;
 use tonic::Code;
 use tower::retry::Policy;
 use tower::retry::budget::Budget;
-
-use crate::budget::RetryBudget;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
+use crate::budget::RetryBudget;
 use crate::classify::{
     Verdict, classify_error, classify_response, code_name, repair_status_details,
 };
@@ -101,16 +101,18 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReplayBody<B>>) -> Self::Future {
-        let now = Instant::now();
+        // The clock is read only when there is a limit to enforce.
+        let now = (self.deadline.is_some() || self.attempt_timeout.is_some()).then(Instant::now);
         let by_deadline = self.deadline.map(|d| (d, Cut::Deadline));
         let by_attempt = self
             .attempt_timeout
-            .and_then(|t| Some((now.checked_add(t)?, Cut::AttemptTimeout(t))));
+            .zip(now)
+            .and_then(|(t, now)| Some((now.checked_add(t)?, Cut::AttemptTimeout(t))));
         let cut = match (by_deadline, by_attempt) {
             (Some(d), Some(a)) => Some(if a.0 < d.0 { a } else { d }),
             (d, a) => d.or(a),
         };
-        if let Some((at, why)) = cut {
+        if let (Some((at, why)), Some(now)) = (cut, now) {
             let left = at.saturating_duration_since(now);
             if left.is_zero() {
                 // Nothing left to send with: answer now, without a request.
@@ -321,21 +323,22 @@ where
         } = shared;
         metrics.record(Event::Attempt);
         let remaining = state.remaining();
+        // Borrowed, not cloned: most responses are successes, and the id is
+        // only kept (in the tried set) when the attempt failed.
         let (verdict, instance) = match &*result {
             Ok(response) => (
                 classify_response(response.status(), response.headers(), policy.retryable),
                 policy
                     .instance_header
                     .as_ref()
-                    .and_then(|h| response.headers().get(h))
-                    .cloned(),
+                    .and_then(|h| response.headers().get(h)),
             ),
             Err(_) => (classify_error(policy.retryable), None),
         };
         let decision = state.decide(
             shared,
             verdict,
-            instance.as_ref(),
+            instance,
             req.body().is_replayable(),
             remaining,
         );
@@ -344,7 +347,7 @@ where
         tracing::debug!(
             attempt,
             code = name,
-            instance = instance.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
+            instance = instance.and_then(|v| v.to_str().ok()).unwrap_or("-"),
             key = req
                 .headers()
                 .get(IDEMPOTENCY_KEY)

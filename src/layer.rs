@@ -36,11 +36,7 @@ impl<Bu> RetryLayer<Bu> {
     /// the layer's tracing events.
     pub fn with_budget(policy: RetryPolicy, budget: Bu) -> Self {
         Self {
-            shared: Arc::new(Shared {
-                policy,
-                budget,
-                metrics: RetryMetrics::default(),
-            }),
+            shared: Shared::new(policy, budget),
         }
     }
 

@@ -28,6 +28,16 @@ pub(crate) struct Shared<Bu> {
     pub(crate) metrics: RetryMetrics,
 }
 
+impl<Bu> Shared<Bu> {
+    pub(crate) fn new(policy: RetryPolicy, budget: Bu) -> Arc<Self> {
+        Arc::new(Self {
+            policy,
+            budget,
+            metrics: RetryMetrics::default(),
+        })
+    }
+}
+
 /// Retries gRPC calls to the inner service; see the [crate docs](crate).
 ///
 /// Made by [`RetryLayer`](crate::RetryLayer). The inner service's error type is
@@ -61,12 +71,7 @@ impl<S> RetryService<S> {
 impl<S, Bu> RetryService<S, Bu> {
     /// Wraps `inner`, paying for retries from any `tower` retry budget.
     pub fn with_budget(inner: S, policy: RetryPolicy, budget: Bu) -> Self {
-        let shared = Arc::new(Shared {
-            policy,
-            budget,
-            metrics: RetryMetrics::default(),
-        });
-        Self::from_shared(inner, shared)
+        Self::from_shared(inner, Shared::new(policy, budget))
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared<Bu>>) -> Self {
@@ -134,8 +139,12 @@ where
         };
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
 
-        if policy.idempotency_key && !parts.headers.contains_key(IDEMPOTENCY_KEY) {
-            parts.headers.insert(IDEMPOTENCY_KEY, new_idempotency_key());
+        if policy.idempotency_key {
+            // A key the caller set is kept; one lookup either way.
+            parts
+                .headers
+                .entry(IDEMPOTENCY_KEY)
+                .or_insert_with(new_idempotency_key);
         }
         let req = Request::from_parts(parts, ReplayBody::new(body, policy.replay_limit));
 
