@@ -1,81 +1,87 @@
-//! One call's retry loop: the per-call [`Policy`] that `tower::retry::Retry`
-//! drives, and the service that sends each attempt.
+//! One attempt: the service tower's `Retry` calls for every attempt of a call,
+//! and the future that runs one attempt.
+//!
+//! This is where a call's limits meet the inner service:
+//!
+//! * For a retry, readiness is waited for *here*, under the attempt's timer.
+//!   [`Attempt::poll_ready`] is always ready, because tower's `Retry` would
+//!   otherwise wait for the inner service with no timer at all — and a
+//!   saturated concurrency limit, a full buffer or a reconnecting channel
+//!   would hold the call past its deadline.
+//! * The retry's token is taken here, when the inner service is ready and the
+//!   attempt is really sent: a call dropped during its backoff, a retry with no
+//!   time left, or a readiness failure spends nothing.
+//! * The three timers that can end an attempt — the layer's own cut, a tonic
+//!   Channel enforcing `grpc-timeout` (a transport error tonic would report as
+//!   CANCELLED), a tonic server whose received `grpc-timeout` expired (it
+//!   answers CANCELLED) — read as one outcome: the attempt's time ran out.
 
+use std::future::Future;
 use std::marker::PhantomData;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use std::any::Any;
-
-use http::{HeaderValue, Request, Response};
-use tokio::time::Instant;
-use tonic::Code;
-use tower::retry::Policy;
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tower::BoxError;
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::budget::RetryBudget;
-use crate::classify::{
-    Verdict, classify_error, classify_response, code_name, repair_status_details,
-};
-use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout};
-use crate::future::{AttemptFuture, Backoff};
-use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
+use crate::classify::{is_timeout, status_in};
+use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_by};
+use crate::marks::PickedInstance;
 use crate::metrics::Event;
 use crate::replay::ReplayBody;
-use crate::service::Shared;
+use crate::shared::Shared;
+use crate::status::GRPC_STATUS;
 
-/// A gRPC Trailers-Only response carrying a status the layer decided itself.
-pub(crate) fn status_response<B: Default>(code: Code, message: String) -> Response<B> {
-    tonic::Status::new(code, message).into_http()
-}
-
-/// Sends one attempt: the inner service, with `grpc-timeout` rewritten to the
-/// time left and the attempt cut when that time is up.
-#[derive(Debug)]
-pub(crate) struct Attempt<S, B> {
-    inner: S,
-    deadline: Option<Instant>,
-    attempt_timeout: Option<Duration>,
-    _body: PhantomData<fn(B)>,
-}
-
-impl<S, B> Attempt<S, B> {
-    pub(crate) fn new(
-        inner: S,
-        deadline: Option<Instant>,
-        attempt_timeout: Option<Duration>,
-    ) -> Self {
-        Self {
-            inner,
-            deadline,
-            attempt_timeout,
-            _body: PhantomData,
-        }
-    }
-}
-
-// Not derived: that would ask for `B: Clone`, which the marker does not need.
-impl<S: Clone, B> Clone for Attempt<S, B> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-            deadline: self.deadline,
-            attempt_timeout: self.attempt_timeout,
-            _body: PhantomData,
-        }
-    }
-}
-
-/// Why an attempt was cut short.
+/// The time limits every attempt of one call runs under.
 #[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// The call's deadline.
+    pub(crate) deadline: Option<Instant>,
+    /// The per-attempt timeout.
+    pub(crate) attempt_timeout: Option<Duration>,
+}
+
+impl Limits {
+    /// When an attempt starting at `now` must end, and why: the sooner of the
+    /// deadline and the per-attempt timeout.
+    fn cut_for(&self, now: Instant) -> Option<(Instant, Cut)> {
+        let by_deadline = self.deadline.map(|d| (d, Cut::Deadline));
+        let by_attempt = self
+            .attempt_timeout
+            .and_then(|t| Some((now.checked_add(t)?, Cut::AttemptTimeout(t))));
+        match (by_deadline, by_attempt) {
+            (Some(d), Some(a)) => Some(if a.0 < d.0 { a } else { d }),
+            (d, a) => d.or(a),
+        }
+    }
+
+    /// The cut for an attempt starting now. The clock is read only when a
+    /// limit applies.
+    fn cut_from_now(&self) -> Option<(Instant, Cut)> {
+        if self.deadline.is_none() && self.attempt_timeout.is_none() {
+            return None;
+        }
+        self.cut_for(Instant::now())
+    }
+}
+
+/// Which limit ended an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Cut {
-    /// The call's deadline came.
+    /// The call's deadline.
     Deadline,
-    /// The per-attempt timeout came first.
+    /// The per-attempt timeout.
     AttemptTimeout(Duration),
+    /// A limit below the layer (a Channel's `Endpoint::timeout`, a tower
+    /// `Timeout`) ran out before any of the layer's own.
+    Below,
 }
 
 impl Cut {
@@ -83,342 +89,363 @@ impl Cut {
         match self {
             Cut::Deadline => "call deadline exceeded".to_owned(),
             Cut::AttemptTimeout(t) => format!("attempt timed out after {t:?}"),
+            Cut::Below => "attempt timed out below the retry layer".to_owned(),
         }
     }
 }
 
-impl<S, B, RB> Service<Request<ReplayBody<B>>> for Attempt<S, B>
+/// How an attempt ended without a response to hand over as it is.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// No response headers: the inner service failed (connection refused or
+    /// reset, stream refused, GOAWAY).
+    Transport(BoxError),
+    /// A time limit ran out; `sent` says whether the attempt had been sent.
+    Cut { why: Cut, sent: bool },
+    /// The inner service failed while a retry waited for it to be ready.
+    NotReady(BoxError),
+    /// No token was left when the retry was to be sent.
+    NoBudget,
+}
+
+/// Sends each attempt of one call to the inner service.
+pub(crate) struct Attempt<S, B, Bu> {
+    inner: S,
+    /// The next call is the call's first attempt.
+    first: bool,
+    /// `inner` was readied by the caller, through `RetryService::poll_ready`,
+    /// for the first attempt.
+    ready: bool,
+    shared: Arc<Shared<Bu>>,
+    limits: Limits,
+    picked: Option<PickedInstance>,
+    _body: PhantomData<fn(B)>,
+}
+
+impl<S, B, Bu> Attempt<S, B, Bu> {
+    /// The attempts of one call, the first through `first`, which the
+    /// caller's `poll_ready` made ready if `ready`.
+    pub(crate) fn new(
+        first: S,
+        ready: bool,
+        shared: Arc<Shared<Bu>>,
+        limits: Limits,
+        picked: Option<PickedInstance>,
+    ) -> Self {
+        Self {
+            inner: first,
+            first: true,
+            ready,
+            shared,
+            limits,
+            picked,
+            _body: PhantomData,
+        }
+    }
+}
+
+// Not derived: that would ask for `B: Clone` and `Bu: Clone`, which the
+// markers and the shared handle do not need.
+impl<S: Clone, B, Bu> Clone for Attempt<S, B, Bu> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            first: self.first,
+            ready: false,
+            shared: Arc::clone(&self.shared),
+            limits: self.limits,
+            picked: self.picked.clone(),
+            _body: PhantomData,
+        }
+    }
+}
+
+impl<S, B, RB, Bu> Service<Request<ReplayBody<B>>> for Attempt<S, B, Bu>
 where
-    S: Service<Request<B>, Response = Response<RB>>,
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    S::Error: Into<BoxError>,
     B: From<ReplayBody<B>>,
+    Bu: Budget,
 {
     type Response = Response<ResponseBody<RB>>;
-    type Error = S::Error;
-    type Future = AttemptFuture<S::Future, RB>;
+    type Error = Failure;
+    type Future = AttemptFuture<S, B, Bu>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // NOTE: always ready. The first attempt goes to the instance the caller
+        // polled; every attempt that finds its service not ready waits in its
+        // `AttemptFuture`, under the attempt's timer, where tower's `Retry`
+        // would wait with none.
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, mut req: Request<ReplayBody<B>>) -> Self::Future {
-        // The clock is read only when there is a limit to enforce.
-        let now = (self.deadline.is_some() || self.attempt_timeout.is_some()).then(Instant::now);
-        let by_deadline = self.deadline.map(|d| (d, Cut::Deadline));
-        let by_attempt = self
-            .attempt_timeout
-            .zip(now)
-            .and_then(|(t, now)| Some((now.checked_add(t)?, Cut::AttemptTimeout(t))));
-        let cut = match (by_deadline, by_attempt) {
-            (Some(d), Some(a)) => Some(if a.0 < d.0 { a } else { d }),
-            (d, a) => d.or(a),
-        };
-        if let (Some((at, why)), Some(now)) = (cut, now) {
-            let left = at.saturating_duration_since(now);
-            if left.is_zero() {
-                // Nothing left to send with: answer now, without a request.
-                return AttemptFuture::cut(why);
-            }
-            req.headers_mut()
-                .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
+        // NOTE: tower's `Retry` has already cloned the request it keeps for the
+        // next retry, so the report slot goes with this attempt only.
+        if let Some(picked) = &self.picked {
+            req.extensions_mut().insert(picked.clone());
         }
-        let future = self.inner.call(req.map(B::from));
-        AttemptFuture::new(future, cut)
-    }
-}
-
-/// One call's policy, cloned by `Retry` into the call's future: what every
-/// call shares, and this call's own state.
-pub(crate) struct CallPolicy<Bu> {
-    shared: Arc<Shared<Bu>>,
-    state: CallState,
-}
-
-#[derive(Clone, Debug)]
-struct CallState {
-    deadline: Option<Instant>,
-    /// Attempts sent so far.
-    sent: u32,
-    /// Retries since the last server-given delay (A6: a pushback restarts the
-    /// exponential backoff).
-    backoff_step: u32,
-    tried: AlreadyTried,
-}
-
-// Not derived: the budget itself need not be `Clone`, it is shared.
-impl<Bu> Clone for CallPolicy<Bu> {
-    fn clone(&self) -> Self {
-        Self {
-            shared: Arc::clone(&self.shared),
-            state: self.state.clone(),
-        }
-    }
-}
-
-impl<Bu> CallPolicy<Bu> {
-    pub(crate) fn new(shared: Arc<Shared<Bu>>, deadline: Option<Instant>) -> Self {
-        Self {
-            shared,
-            state: CallState {
-                deadline,
-                sent: 1,
-                backoff_step: 0,
-                tried: AlreadyTried::default(),
-            },
-        }
-    }
-}
-
-impl CallState {
-    /// Time left before the deadline, if the call has one. The clock is read
-    /// only then.
-    fn remaining(&self) -> Option<Duration> {
-        self.deadline
-            .map(|d| d.saturating_duration_since(Instant::now()))
-    }
-
-    /// Last touches on what the caller gets.
-    fn finish<RB, E>(
-        &self,
-        result: &mut Result<Response<ResponseBody<RB>>, E>,
-        remaining: Option<Duration>,
-    ) {
-        match result {
-            Ok(response) => {
-                repair_status_details(response.headers_mut());
-            }
-            // tonic reports its own `grpc-timeout` expiry as a transport error
-            // that its client turns into CANCELLED; the caller's deadline is
-            // what ran out, so say so.
-            Err(_) if remaining.is_some_and(|left| left.is_zero()) => {
-                *result = Ok(status_response(
-                    Code::DeadlineExceeded,
-                    format!("call deadline exceeded during attempt {}", self.sent),
-                ));
-            }
-            Err(_) => {}
-        }
-    }
-}
-
-/// What to do after one attempt.
-#[derive(Clone, Copy, Debug)]
-enum Decision {
-    /// Hand the outcome to the caller as it is.
-    Done(&'static str),
-    /// Retryable, but the deadline has no room for `delay` and another attempt.
-    NoTime { left: Duration, delay: Duration },
-    /// Retryable, but the budget has no token.
-    NoBudget { delay: Duration },
-    /// Send another attempt after `delay`.
-    Retry { delay: Duration },
-}
-
-impl Decision {
-    fn describe(self) -> &'static str {
-        match self {
-            Decision::Done(why) => why,
-            Decision::NoTime { .. } => "no time left for another attempt",
-            Decision::NoBudget { .. } => "retry budget exhausted",
-            Decision::Retry { .. } => "retrying",
-        }
-    }
-
-    fn delay(self) -> Option<Duration> {
-        match self {
-            Decision::Done(_) => None,
-            Decision::NoTime { delay, .. }
-            | Decision::NoBudget { delay }
-            | Decision::Retry { delay } => Some(delay),
-        }
-    }
-}
-
-impl CallState {
-    /// Classify, then deadline, then budget: a token pays only for an attempt
-    /// that will really be sent.
-    fn decide<Bu: Budget>(
-        &mut self,
-        shared: &Shared<Bu>,
-        verdict: Verdict,
-        instance: Option<&HeaderValue>,
-        replayable: bool,
-        remaining: Option<Duration>,
-    ) -> Decision {
-        let Shared { policy, budget, .. } = shared;
-        let server_delay = match verdict {
-            Verdict::Committed | Verdict::Final(Code::Ok) => {
-                Budget::deposit(budget);
-                return Decision::Done("succeeded");
-            }
-            Verdict::Final(_) => return Decision::Done("not retryable"),
-            Verdict::Retryable { server_delay, .. } => server_delay,
-        };
-        if let Some(id) = instance {
-            self.tried.record(id);
-        }
-        if self.sent >= policy.max_attempts {
-            return Decision::Done("no attempts left");
-        }
-        if !replayable {
-            return Decision::Done("request body cannot be replayed");
-        }
-        let delay = match server_delay {
-            Some(delay) => {
-                self.backoff_step = 0;
-                delay
-            }
-            None => {
-                self.backoff_step += 1;
-                policy.delay_before(self.backoff_step)
-            }
-        };
-        if let Some(left) = remaining
-            && left <= delay.saturating_add(policy.min_attempt_budget)
-        {
-            return Decision::NoTime { left, delay };
-        }
-        if !budget.withdraw() {
-            return Decision::NoBudget { delay };
-        }
-        Decision::Retry { delay }
-    }
-}
-
-/// `grpc-previous-rpc-attempts` for attempt `sent + 1`; attempts are capped at
-/// five, so the common values need no allocation.
-fn previous_attempts(sent: u32) -> HeaderValue {
-    match sent {
-        1 => HeaderValue::from_static("1"),
-        2 => HeaderValue::from_static("2"),
-        3 => HeaderValue::from_static("3"),
-        4 => HeaderValue::from_static("4"),
-        n => HeaderValue::from(n),
-    }
-}
-
-/// The balance to show in events: known for a [`RetryBudget`] only.
-fn tokens<Bu: 'static>(budget: &Bu) -> f64 {
-    (budget as &dyn Any)
-        .downcast_ref::<RetryBudget>()
-        .map_or(f64::NAN, RetryBudget::available)
-}
-
-impl<B, RB, E, Bu> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, E> for CallPolicy<Bu>
-where
-    Bu: Budget + 'static,
-{
-    type Future = Backoff;
-
-    fn retry(
-        &mut self,
-        req: &mut Request<ReplayBody<B>>,
-        result: &mut Result<Response<ResponseBody<RB>>, E>,
-    ) -> Option<Backoff> {
-        let shared = &*self.shared;
-        let state = &mut self.state;
-        let Shared {
-            policy,
-            budget,
-            metrics,
-        } = shared;
-        metrics.record(Event::Attempt);
-        let remaining = state.remaining();
-        // Borrowed, not cloned: most responses are successes, and the id is
-        // only kept (in the tried set) when the attempt failed.
-        let (verdict, instance) = match &*result {
-            Ok(response) => (
-                classify_response(response.status(), response.headers(), policy.retryable),
-                policy
-                    .instance_header
-                    .as_ref()
-                    .and_then(|h| response.headers().get(h)),
-            ),
-            Err(_) => (classify_error(policy.retryable), None),
-        };
-        let decision = state.decide(
-            shared,
-            verdict,
-            instance,
-            req.body().is_replayable(),
-            remaining,
-        );
-        let attempt = state.sent;
-        let name = code_name(verdict.code());
-        tracing::debug!(
-            attempt,
-            code = name,
-            instance = instance.and_then(|v| v.to_str().ok()).unwrap_or("-"),
-            key = req
-                .headers()
-                .get(IDEMPOTENCY_KEY)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("-"),
-            delay = ?decision.delay(),
-            remaining = ?remaining,
-            tokens = tokens(budget),
-            "{}",
-            decision.describe()
-        );
-
-        match decision {
-            Decision::Done(_) => {
-                state.finish(result, remaining);
-                None
-            }
-            Decision::NoTime { left, .. } => {
-                metrics.record(Event::RefusedByDeadline);
-                let message = if left.is_zero() {
-                    format!("call deadline exceeded; attempt {attempt} ended with {name}")
-                } else {
-                    format!(
-                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
-                    )
-                };
-                *result = Ok(status_response(Code::DeadlineExceeded, message));
-                None
-            }
-            Decision::NoBudget { .. } => {
-                metrics.record(Event::RefusedByBudget);
-                *result = Ok(status_response(
-                    Code::ResourceExhausted,
-                    format!("retry budget exhausted; attempt {attempt} ended with {name}"),
-                ));
-                None
-            }
-            Decision::Retry { delay } => {
-                metrics.record(Event::Retry);
-                let headers = req.headers_mut();
-                headers.insert(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));
-                if !state.tried.is_empty() {
-                    if let Some(value) = state.tried.to_header() {
-                        headers.insert(ALREADY_TRIED, value);
-                    }
-                    req.extensions_mut().insert(state.tried.clone());
+        let cut = self.limits.cut_from_now();
+        let deadline = self.limits.deadline;
+        let first = std::mem::take(&mut self.first);
+        if first && std::mem::take(&mut self.ready) {
+            // The first attempt, on the instance the caller readied: sent now.
+            if let Some((at, why)) = cut {
+                let left = at.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return AttemptFuture::failed(Failure::Cut { why, sent: false });
                 }
-                state.sent += 1;
-                Some(Backoff::new(delay))
+                req.headers_mut()
+                    .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
             }
+            let future = self.inner.call(req.map(B::from));
+            return AttemptFuture::new(State::Called { future }, cut, deadline, None);
         }
-    }
-
-    fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
-        // Always a clone, even of a body that can no longer be replayed: `Retry`
-        // only shows `retry` the outcomes of requests it holds a clone of, and
-        // every outcome must pass `retry` for the budget and the final touches.
-        let mut clone = Request::new(req.body().clone());
-        *clone.method_mut() = req.method().clone();
-        *clone.uri_mut() = req.uri().clone();
-        *clone.version_mut() = req.version();
-        *clone.headers_mut() = req.headers().clone();
-        *clone.extensions_mut() = req.extensions().clone();
-        Some(clone)
+        // Wait for readiness under the timer; then a retry pays, and is sent.
+        let service = if first {
+            // The instance the caller polled, which may be part way to ready.
+            let fresh = self.inner.clone();
+            std::mem::replace(&mut self.inner, fresh)
+        } else {
+            self.inner.clone()
+        };
+        let state = State::Readying {
+            service,
+            request: Some(req),
+        };
+        let retry = (!first).then(|| Arc::clone(&self.shared));
+        AttemptFuture::new(state, cut, deadline, retry)
     }
 }
 
-impl<Bu> std::fmt::Debug for CallPolicy<Bu> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CallPolicy")
-            .field("state", &self.state)
-            .finish_non_exhaustive()
+pin_project! {
+    /// One attempt: readiness (for a retry), the inner service's future, and
+    /// the timer that cuts both.
+    pub(crate) struct AttemptFuture<S, B, Bu>
+    where
+        S: Service<Request<B>>,
+    {
+        #[pin]
+        state: State<S, Request<ReplayBody<B>>, S::Future>,
+        #[pin]
+        timer: Option<Sleep>,
+        cut: Option<(Instant, Cut)>,
+        // The call's deadline, which the response body keeps to.
+        deadline: Option<Instant>,
+        // For a retry: the budget to pay from and the counters, at send time.
+        // `None` for the first attempt.
+        retry: Option<Arc<Shared<Bu>>>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, R, F> {
+        /// Waiting for the inner service to be ready.
+        Readying {
+            service: S,
+            request: Option<R>,
+        },
+        /// Sent: the inner service's future.
+        Called {
+            #[pin]
+            future: F,
+        },
+        /// Ended without being sent, or done.
+        Failed {
+            failure: Option<Failure>,
+        },
+    }
+}
+
+impl<S, B, Bu> AttemptFuture<S, B, Bu>
+where
+    S: Service<Request<B>>,
+{
+    fn new(
+        state: State<S, Request<ReplayBody<B>>, S::Future>,
+        cut: Option<(Instant, Cut)>,
+        deadline: Option<Instant>,
+        retry: Option<Arc<Shared<Bu>>>,
+    ) -> Self {
+        Self {
+            state,
+            timer: cut.map(|(at, _)| timer_by(at)),
+            cut,
+            deadline,
+            retry,
+        }
+    }
+
+    fn failed(failure: Failure) -> Self {
+        Self::new(
+            State::Failed {
+                failure: Some(failure),
+            },
+            None,
+            None,
+            None,
+        )
+    }
+}
+
+/// Whether the timer, if any, has fired.
+fn fired(timer: Pin<&mut Option<Sleep>>, cx: &mut Context<'_>) -> bool {
+    timer
+        .as_pin_mut()
+        .is_some_and(|timer| timer.poll(cx).is_ready())
+}
+
+impl<S, B, RB, Bu> Future for AttemptFuture<S, B, Bu>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    S::Error: Into<BoxError>,
+    B: From<ReplayBody<B>>,
+    Bu: Budget,
+{
+    type Output = Result<Response<ResponseBody<RB>>, Failure>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Readying { service, request } => {
+                    let failure = match service.poll_ready(cx) {
+                        Poll::Ready(Ok(())) => {
+                            let Some(mut req) = request.take() else {
+                                panic!("an attempt was polled after it was sent");
+                            };
+                            match send(&mut req, *this.cut, *this.deadline, this.retry) {
+                                Ok(()) => {
+                                    let future = service.call(req.map(B::from));
+                                    this.state.set(State::Called { future });
+                                    continue;
+                                }
+                                Err(failure) => failure,
+                            }
+                        }
+                        Poll::Ready(Err(error)) => Failure::NotReady(error.into()),
+                        Poll::Pending => match *this.cut {
+                            Some((_, why)) if fired(this.timer.as_mut(), cx) => {
+                                Failure::Cut { why, sent: false }
+                            }
+                            _ => return Poll::Pending,
+                        },
+                    };
+                    // NOTE: dropping the service gives back any capacity its
+                    // readiness reserved.
+                    this.state.set(State::Failed { failure: None });
+                    return Poll::Ready(Err(failure));
+                }
+                StateProj::Called { future } => {
+                    if let Poll::Ready(result) = future.poll(cx) {
+                        this.timer.set(None);
+                        return Poll::Ready(outcome(result, *this.cut, *this.deadline));
+                    }
+                    let Some((_, why)) = *this.cut else {
+                        return Poll::Pending;
+                    };
+                    if !fired(this.timer.as_mut(), cx) {
+                        return Poll::Pending;
+                    }
+                    // NOTE: dropping the attempt's future cancels its HTTP stream.
+                    this.state.set(State::Failed { failure: None });
+                    return Poll::Ready(Err(Failure::Cut { why, sent: true }));
+                }
+                StateProj::Failed { failure } => {
+                    let Some(failure) = failure.take() else {
+                        panic!("an attempt was polled after it completed");
+                    };
+                    return Poll::Ready(Err(failure));
+                }
+            }
+        }
+    }
+}
+
+/// The last steps before an attempt whose service is now ready is sent: is
+/// there still time for it, and, for a retry, a token to pay for it? Then it
+/// is sent with the time left, and a retry is counted.
+fn send<B, Bu: Budget>(
+    req: &mut Request<ReplayBody<B>>,
+    cut: Option<(Instant, Cut)>,
+    deadline: Option<Instant>,
+    retry: &Option<Arc<Shared<Bu>>>,
+) -> Result<(), Failure> {
+    if let Some((at, why)) = cut {
+        let now = Instant::now();
+        let left = at.saturating_duration_since(now);
+        if left.is_zero() {
+            return Err(Failure::Cut { why, sent: false });
+        }
+        // Waiting for readiness may have used up the call's time: a retry
+        // with less than the minimum attempt budget left cannot succeed.
+        if let (Some(shared), Some(deadline)) = (retry, deadline)
+            && deadline.saturating_duration_since(now) <= shared.policy.min_attempt_budget
+        {
+            return Err(Failure::Cut {
+                why: Cut::Deadline,
+                sent: false,
+            });
+        }
+        req.headers_mut()
+            .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
+    }
+    if let Some(shared) = retry {
+        if !shared.budget.withdraw() {
+            return Err(Failure::NoBudget);
+        }
+        shared.metrics.record(Event::Retry);
+    }
+    Ok(())
+}
+
+/// What the inner service's answer means for the attempt.
+fn outcome<RB, E: Into<BoxError>>(
+    result: Result<Response<RB>, E>,
+    cut: Option<(Instant, Cut)>,
+    deadline: Option<Instant>,
+) -> Result<Response<ResponseBody<RB>>, Failure> {
+    let expired = |cut: Option<(Instant, Cut)>| cut.filter(|(at, _)| Instant::now() >= *at);
+    match result {
+        Ok(response) => {
+            // A tonic server answers CANCELLED when the `grpc-timeout` we sent
+            // runs out; the caller cancelled nothing, the attempt's time ran out.
+            let cancelled = response
+                .headers()
+                .get(GRPC_STATUS)
+                .is_some_and(|v| v.as_bytes() == b"1");
+            if cancelled && let Some((_, why)) = expired(cut) {
+                return Err(Failure::Cut { why, sent: true });
+            }
+            Ok(response.map(|body| ResponseBody::new(body, deadline)))
+        }
+        Err(error) => {
+            let error: BoxError = error.into();
+            // A Channel enforcing the `grpc-timeout` we sent reports a
+            // transport error (`TimeoutExpired`) that tonic would show as
+            // CANCELLED: it too is the attempt's time running out.
+            if let Some((_, why)) = expired(cut) {
+                return Err(Failure::Cut { why, sent: true });
+            }
+            if is_timeout(&*error) {
+                return Err(Failure::Cut {
+                    why: Cut::Below,
+                    sent: true,
+                });
+            }
+            // An error carrying a gRPC status is that status, as tonic's
+            // client would report it.
+            if let Some(status) = status_in(&*error) {
+                let status = tonic::Status::with_details_and_metadata(
+                    status.code(),
+                    status.message(),
+                    bytes::Bytes::copy_from_slice(status.details()),
+                    status.metadata().clone(),
+                );
+                return Ok(status.into_http());
+            }
+            Err(Failure::Transport(error))
+        }
     }
 }

@@ -1,14 +1,16 @@
 //! The balancer side of the already-tried mark: route a retry away from the
 //! instances that failed the call's earlier attempts.
 //!
-//! [`RetryLayer`](crate::RetryLayer) learns which instance answered each failed
-//! attempt from the `x-instance-id` response header and names those instances
-//! on the next attempt, in the [`AlreadyTried`] request extension and the
-//! [`x-already-tried`](crate::ALREADY_TRIED) header. [`PreferUntried`] is a
-//! balancer that closes that loop in process: it routes round-robin among named
-//! endpoints, skips the ones the request names while any other is left, and
-//! stamps the chosen endpoint's id on the response so the layer above can
-//! learn it.
+//! [`RetryLayer`](crate::RetryLayer) learns which instance each failed attempt
+//! went to — from the `x-instance-id` response header, or, when the attempt got
+//! no response at all, from the [`PickedInstance`] slot the balancer fills in —
+//! and names those instances on the next attempt, in the [`AlreadyTried`]
+//! request extension and the [`x-already-tried`](crate::ALREADY_TRIED) header.
+//! [`PreferUntried`] is a balancer that closes that loop in process: it routes
+//! round-robin among named endpoints, sends a retry to one of the endpoints the
+//! call has not tried yet (chosen at random, so retries spread evenly), reports
+//! its pick in the request's [`PickedInstance`], and stamps the chosen
+//! endpoint's id on the response.
 //!
 //! ```no_run
 //! use tonic::transport::Endpoint;
@@ -40,31 +42,45 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 
+use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use pin_project_lite::pin_project;
-use tonic::Code;
+use rand::Rng;
 use tower::ServiceExt;
 use tower::util::Oneshot;
 use tower_service::Service;
 
-use crate::attempt::status_response;
 use crate::error::ConfigError;
-use crate::marks::{ALREADY_TRIED, AlreadyTried, INSTANCE_ID};
+use crate::marks::{ALREADY_TRIED, AlreadyTried, INSTANCE_ID, PickedInstance};
 
-struct Endpoint<S> {
+/// An endpoint's name, shared by every clone of the balancer.
+struct Named {
     id: String,
+    /// The id as a header value whose clones share one buffer.
     header: HeaderValue,
-    service: S,
 }
 
 /// Routes each request to one of several endpoints, round-robin, avoiding the
 /// ones its [`AlreadyTried`] mark names; see the [module docs](self).
 ///
-/// An endpoint that fails without answering (connection refused, reset) is
-/// reported as an `UNAVAILABLE` status naming it in `x-instance-id`, so the
-/// retry layer above retries elsewhere.
+/// # Readiness
+///
+/// `poll_ready` polls every endpoint this clone has not readied yet and is
+/// ready when at least one of them is (pending when none is, failing only when
+/// all have failed), so backpressure from the endpoints — a saturated
+/// concurrency limit, a full buffer — reaches the layers above, and
+/// `load_shed` above it sheds. A request goes to a ready endpoint that its mark
+/// does not name if there is one; otherwise to an untried endpoint, whose
+/// readiness its response future then waits for (under the retry layer's
+/// timer).
 pub struct PreferUntried<S> {
-    endpoints: Arc<[Endpoint<S>]>,
+    names: Arc<[Named]>,
+    /// This clone's handle on each endpoint.
+    services: Vec<S>,
+    /// Which handles `poll_ready` has readied and no call has used yet.
+    ready: Vec<bool>,
+    /// Which handles failed their readiness; a failed service is not used again.
+    failed: Vec<bool>,
     next: Arc<AtomicUsize>,
 }
 
@@ -73,69 +89,107 @@ impl<S> PreferUntried<S> {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] if there are no endpoints, or an id is not a valid
-    /// header value or contains a comma.
+    /// [`ConfigError`] if there are no endpoints, or an id is empty, longer
+    /// than [`MAX_INSTANCE_ID_LEN`](crate::MAX_INSTANCE_ID_LEN), not visible
+    /// ASCII, contains a comma, or is repeated.
     pub fn new(endpoints: impl IntoIterator<Item = (String, S)>) -> Result<Self, ConfigError> {
-        let endpoints = endpoints
-            .into_iter()
-            .map(|(id, service)| {
-                let header = HeaderValue::from_str(&id)
-                    .ok()
-                    .filter(|_| !id.contains(',') && !id.trim().is_empty())
-                    .ok_or_else(|| {
-                        ConfigError::new(
-                            "endpoints",
-                            format!("instance id {id:?} must be visible ASCII without commas"),
-                        )
-                    })?;
-                Ok(Endpoint {
-                    id: id.trim().to_owned(),
-                    header,
-                    service,
-                })
-            })
-            .collect::<Result<Arc<[_]>, ConfigError>>()?;
-        if endpoints.is_empty() {
+        let mut names = Vec::new();
+        let mut services = Vec::new();
+        let mut seen = AlreadyTried::default();
+        for (id, service) in endpoints {
+            let id = id.trim().to_owned();
+            if seen.contains(&id) {
+                return Err(ConfigError::new(
+                    "endpoints",
+                    format!("instance id {id:?} is named twice"),
+                ));
+            }
+            // The same rules as the already-tried mark, so every id can be named in it.
+            let mut one = AlreadyTried::default();
+            if !one.insert(&id) {
+                return Err(ConfigError::new(
+                    "endpoints",
+                    format!(
+                        "instance id {id:?} must be 1 to {} visible ASCII characters without commas",
+                        crate::MAX_INSTANCE_ID_LEN
+                    ),
+                ));
+            }
+            seen.merge(&one);
+            let header = HeaderValue::from_maybe_shared(Bytes::from_owner(id.clone()))
+                .map_err(|_| ConfigError::new("endpoints", format!("instance id {id:?}")))?;
+            names.push(Named { id, header });
+            services.push(service);
+        }
+        if names.is_empty() {
             return Err(ConfigError::new(
                 "endpoints",
                 "at least one endpoint is needed",
             ));
         }
+        let n = names.len();
         Ok(Self {
-            endpoints,
+            names: names.into(),
+            services,
+            ready: vec![false; n],
+            failed: vec![false; n],
             next: Arc::new(AtomicUsize::new(0)),
         })
     }
 
     /// The endpoint ids, in order.
     pub fn ids(&self) -> impl Iterator<Item = &str> {
-        self.endpoints.iter().map(|e| e.id.as_str())
+        self.names.iter().map(|e| e.id.as_str())
     }
 
-    fn pick<B>(&self, req: &Request<B>) -> &Endpoint<S> {
-        let n = self.endpoints.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        let header = req
-            .headers()
-            .get(ALREADY_TRIED)
-            .and_then(|v| v.to_str().ok());
-        let tried = |id: &str| match req.extensions().get::<AlreadyTried>() {
-            Some(tried) => tried.contains(id),
-            None => header.is_some_and(|h| h.split(',').any(|t| t.trim() == id)),
+    /// The endpoint for `req`: first an untried, ready one; then an untried
+    /// one; then a ready one; then any. Without a mark that is round-robin over
+    /// the ready endpoints; with one, a retry goes to an untried endpoint
+    /// chosen at random, so retries spread evenly over them.
+    fn pick<B>(&self, req: &Request<B>) -> usize {
+        let n = self.names.len();
+        let from_header;
+        let mark = match req.extensions().get::<AlreadyTried>() {
+            Some(mark) => Some(mark),
+            None => {
+                from_header = req
+                    .headers()
+                    .get(ALREADY_TRIED)
+                    .map(AlreadyTried::from_header);
+                from_header.as_ref()
+            }
         };
-        let index = (0..n)
-            .map(|i| (start + i) % n)
-            .find(|&i| !tried(&self.endpoints[i].id))
-            // Every endpoint failed already: round-robin among them all.
-            .unwrap_or(start);
-        &self.endpoints[index]
+        let untried =
+            |i: usize| !self.failed[i] && !mark.is_some_and(|m| m.contains(&self.names[i].id));
+        let ready = |i: usize| self.ready[i];
+        let choose = |keep: &dyn Fn(usize) -> bool| -> Option<usize> {
+            let count = (0..n).filter(|&i| keep(i)).count();
+            if count == 0 {
+                return None;
+            }
+            let k = match mark {
+                Some(m) if !m.is_empty() => rand::rng().random_range(0..count),
+                _ => self.next.fetch_add(1, Ordering::Relaxed) % count,
+            };
+            (0..n).filter(|&i| keep(i)).nth(k)
+        };
+        choose(&|i| untried(i) && ready(i))
+            .or_else(|| choose(&untried))
+            .or_else(|| choose(&ready))
+            .or_else(|| choose(&|i| !self.failed[i]))
+            .unwrap_or(0)
     }
 }
 
-impl<S> Clone for PreferUntried<S> {
+impl<S: Clone> Clone for PreferUntried<S> {
+    /// A clone with its own endpoint handles, none of them readied yet.
     fn clone(&self) -> Self {
+        let n = self.names.len();
         Self {
-            endpoints: Arc::clone(&self.endpoints),
+            names: Arc::clone(&self.names),
+            services: self.services.clone(),
+            ready: vec![false; n],
+            failed: self.failed.clone(),
             next: Arc::clone(&self.next),
         }
     }
@@ -145,6 +199,7 @@ impl<S> fmt::Debug for PreferUntried<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PreferUntried")
             .field("endpoints", &self.ids().collect::<Vec<_>>())
+            .field("ready", &self.ready)
             .finish()
     }
 }
@@ -152,24 +207,55 @@ impl<S> fmt::Debug for PreferUntried<S> {
 impl<S, B, RB> Service<Request<B>> for PreferUntried<S>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
-    S::Error: fmt::Display,
-    RB: Default,
 {
     type Response = Response<RB>;
     type Error = S::Error;
     type Future = ResponseFuture<S, B>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // NOTE: which endpoint serves a request depends on the request, so
-        // readiness is awaited per call, on a clone of the chosen endpoint.
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        let mut any_ready = false;
+        let mut last_error = None;
+        for (i, service) in self.services.iter_mut().enumerate() {
+            if self.failed[i] {
+                continue;
+            }
+            if !self.ready[i] {
+                match service.poll_ready(cx) {
+                    Poll::Ready(Ok(())) => self.ready[i] = true,
+                    Poll::Ready(Err(error)) => {
+                        tracing::debug!(instance = %self.names[i].id, "endpoint failed its readiness");
+                        self.failed[i] = true;
+                        last_error = Some(error);
+                        continue;
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            any_ready |= self.ready[i];
+        }
+        if any_ready {
+            return Poll::Ready(Ok(()));
+        }
+        match last_error {
+            Some(error) if self.failed.iter().all(|f| *f) => Poll::Ready(Err(error)),
+            _ => Poll::Pending,
+        }
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let endpoint = self.pick(&req);
+        let i = self.pick(&req);
+        let named = &self.names[i];
+        if let Some(picked) = req.extensions().get::<PickedInstance>() {
+            picked.set(named.header.clone());
+        }
+        // The readied handle makes the call; a fresh one stays. An endpoint
+        // that is not ready yet is waited for in the response future.
+        let fresh = self.services[i].clone();
+        let service = std::mem::replace(&mut self.services[i], fresh);
+        self.ready[i] = false;
         ResponseFuture {
-            inner: endpoint.service.clone().oneshot(req),
-            instance: endpoint.header.clone(),
+            inner: service.oneshot(req),
+            instance: named.header.clone(),
         }
     }
 }
@@ -200,26 +286,12 @@ where
 impl<S, B, RB> Future for ResponseFuture<S, B>
 where
     S: Service<Request<B>, Response = Response<RB>>,
-    S::Error: fmt::Display,
-    RB: Default,
 {
     type Output = Result<Response<RB>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let mut response = match ready!(this.inner.poll(cx)) {
-            Ok(response) => response,
-            Err(error) => {
-                tracing::debug!(instance = ?this.instance, %error, "endpoint failed without answering");
-                status_response(
-                    Code::Unavailable,
-                    format!(
-                        "instance {} failed: {error}",
-                        this.instance.to_str().unwrap_or("?")
-                    ),
-                )
-            }
-        };
+        let mut response = ready!(this.inner.poll(cx))?;
         // The instance's own report wins; otherwise say which one we chose.
         response
             .headers_mut()
@@ -233,7 +305,9 @@ where
 mod tests {
     use super::*;
     use std::sync::Mutex;
+    use tonic::Code;
     use tonic::body::Body;
+    use tower_test::mock;
 
     type Log = Arc<Mutex<Vec<&'static str>>>;
 
@@ -260,22 +334,30 @@ mod tests {
         if !tried.is_empty() {
             let mut mark = AlreadyTried::default();
             for t in tried {
-                mark.record(&HeaderValue::from_str(t).unwrap());
+                mark.insert(t);
             }
             req.extensions_mut().insert(mark);
         }
         req
     }
 
-    #[tokio::test]
-    async fn round_robin_then_skips_the_tried() {
-        let log = Log::default();
-        let lb = PreferUntried::new([
+    fn three(
+        log: &Log,
+    ) -> PreferUntried<
+        impl Service<Request<Body>, Response = Response<Body>, Error = tower::BoxError> + Clone,
+    > {
+        PreferUntried::new([
             ("a".to_owned(), endpoint("a", log.clone(), false)),
             ("b".to_owned(), endpoint("b", log.clone(), false)),
             ("c".to_owned(), endpoint("c", log.clone(), false)),
         ])
-        .unwrap();
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn round_robin_then_skips_the_tried() {
+        let log = Log::default();
+        let lb = three(&log);
         for _ in 0..3 {
             lb.clone().oneshot(req(&[])).await.unwrap();
         }
@@ -286,6 +368,26 @@ mod tests {
             assert_eq!(r.headers()["x-instance-id"], "c");
         }
         assert!(log.lock().unwrap().iter().all(|n| *n == "c"));
+    }
+
+    #[tokio::test]
+    async fn retries_spread_evenly_over_the_untried() {
+        let log = Log::default();
+        let lb = three(&log);
+        for _ in 0..600 {
+            // First attempts keep moving the round-robin cursor meanwhile.
+            lb.clone().oneshot(req(&[])).await.unwrap();
+            lb.clone().oneshot(req(&["a"])).await.unwrap();
+        }
+        let log = log.lock().unwrap();
+        let retries: Vec<_> = log.iter().skip(1).step_by(2).collect();
+        let on_b = retries.iter().filter(|n| ***n == "b").count();
+        let on_c = retries.iter().filter(|n| ***n == "c").count();
+        assert_eq!(on_b + on_c, 600, "no retry went back to a");
+        assert!(
+            (240..=360).contains(&on_b),
+            "b took {on_b} of 600 retries and c {on_c}: not an even spread"
+        );
     }
 
     #[tokio::test]
@@ -306,14 +408,77 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn all_tried_still_routes_and_errors_become_unavailable_naming_the_instance() {
+    async fn the_pick_is_reported_even_when_the_endpoint_fails_without_answering() {
         let log = Log::default();
         let lb =
             PreferUntried::new([("down".to_owned(), endpoint("down", log.clone(), true))]).unwrap();
-        let r = lb.clone().oneshot(req(&["down"])).await.unwrap();
-        assert_eq!(r.headers()["grpc-status"], "14");
-        assert_eq!(r.headers()["x-instance-id"], "down");
+        let picked = PickedInstance::default();
+        let mut r = req(&[]);
+        r.extensions_mut().insert(picked.clone());
+        let error = lb.clone().oneshot(r).await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "connection refused",
+            "the error passes through"
+        );
+        assert_eq!(picked.get().unwrap(), "down");
         assert_eq!(log.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn readiness_reflects_the_endpoints() {
+        let (a, mut handle_a) = mock::pair::<Request<Body>, Response<Body>>();
+        let (b, mut handle_b) = mock::pair::<Request<Body>, Response<Body>>();
+        handle_a.allow(0);
+        handle_b.allow(0);
+        let mut lb = PreferUntried::new([("a".to_owned(), a), ("b".to_owned(), b)]).unwrap();
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        assert!(
+            lb.poll_ready(&mut cx).is_pending(),
+            "no endpoint can take a request"
+        );
+        handle_b.allow(1);
+        assert!(matches!(lb.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+        // The ready endpoint takes the request, mark or no mark.
+        let call = tokio::spawn(lb.call(req(&[])));
+        let (_, send) = handle_b.next_request().await.expect("b takes it");
+        send.send_response(tonic::Status::new(Code::Ok, "").into_http());
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(response.headers()["x-instance-id"], "b");
+
+        // Under load_shed, an endpoint set that cannot take more sheds.
+        let mut shed = tower::load_shed::LoadShed::new(lb.clone());
+        let error = shed
+            .ready()
+            .await
+            .unwrap()
+            .call(req(&[]))
+            .await
+            .unwrap_err();
+        assert!(error.is::<tower::load_shed::error::Overloaded>(), "{error}");
+    }
+
+    #[tokio::test]
+    async fn endpoints_that_fail_readiness_are_avoided() {
+        let (a, mut handle_a) = mock::pair::<Request<Body>, Response<Body>>();
+        let (b, mut handle_b) = mock::pair::<Request<Body>, Response<Body>>();
+        handle_a.send_error("worker gone");
+        let mut lb = PreferUntried::new([("a".to_owned(), a), ("b".to_owned(), b)]).unwrap();
+        let call = tokio::spawn(async move { lb.ready().await.unwrap().call(req(&[])).await });
+        let (_, send) = handle_b.next_request().await.expect("b takes it");
+        send.send_response(tonic::Status::new(Code::Ok, "").into_http());
+        assert_eq!(call.await.unwrap().unwrap().headers()["x-instance-id"], "b");
+
+        let (c, mut handle_c) = mock::pair::<Request<Body>, Response<Body>>();
+        handle_c.send_error("worker gone");
+        let mut lb = PreferUntried::new([("c".to_owned(), c)]).unwrap();
+        let error = lb.ready().await.map(|_| ()).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "worker gone",
+            "all failed: the error is returned"
+        );
     }
 
     #[test]
@@ -322,7 +487,22 @@ mod tests {
         let none: Vec<(String, Boxed)> = Vec::new();
         assert_eq!(PreferUntried::new(none).unwrap_err().field(), "endpoints");
         let log = Log::default();
-        let e = PreferUntried::new([("a,b".to_owned(), endpoint("a", log, false))]).unwrap_err();
-        assert_eq!(e.field(), "endpoints");
+        for bad in [
+            "a,b",
+            "",
+            " ",
+            "x y",
+            &"z".repeat(crate::MAX_INSTANCE_ID_LEN + 1),
+        ] {
+            let e = PreferUntried::new([(bad.to_owned(), endpoint("a", log.clone(), false))])
+                .unwrap_err();
+            assert_eq!(e.field(), "endpoints", "{bad:?}");
+        }
+        let e = PreferUntried::new([
+            ("a".to_owned(), endpoint("a", log.clone(), false)),
+            ("a".to_owned(), endpoint("a", log, false)),
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
     }
 }

@@ -1,12 +1,17 @@
 //! The response body type of [`RetryService`](crate::RetryService).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use http::{HeaderMap, HeaderValue};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
 
 use crate::classify::repair_status_details;
+use crate::deadline::timer_by;
+use crate::status::GRPC_STATUS;
 
 pin_project! {
     /// The inner service's response body, passed through frame by frame, or the
@@ -15,21 +20,40 @@ pin_project! {
     /// Data frames are untouched. Trailers get one repair: a
     /// `grpc-status-details-bin` trailer that is not valid base64 is dropped
     /// (with a warning), because tonic's client would panic decoding it.
+    ///
+    /// The call's deadline holds for the body too: a response still streaming
+    /// when it passes (a server stream, a stalled body) ends there with
+    /// `DEADLINE_EXCEEDED` trailers, as grpc-go and grpc-java end such a call,
+    /// and the inner body is dropped, which cancels its HTTP/2 stream.
     #[derive(Debug)]
     pub struct ResponseBody<B> {
         #[pin]
         inner: Option<B>,
+        // The call's deadline, while the body is still open.
+        deadline: Option<Instant>,
+        // Armed the first time the inner body has nothing ready, so a body
+        // that is always ready costs no timer. Boxed to keep the body `Unpin`
+        // whenever the inner one is.
+        timer: Option<Pin<Box<Sleep>>>,
     }
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn new(inner: B) -> Self {
-        Self { inner: Some(inner) }
+    pub(crate) fn new(inner: B, deadline: Option<Instant>) -> Self {
+        Self {
+            inner: Some(inner),
+            deadline,
+            timer: None,
+        }
     }
 
     /// An empty body, as sent with a status the layer answered itself.
     pub const fn empty() -> Self {
-        Self { inner: None }
+        Self {
+            inner: None,
+            deadline: None,
+            timer: None,
+        }
     }
 
     /// The inner service's body, or `None` for a status the layer answered.
@@ -44,6 +68,17 @@ impl<B> Default for ResponseBody<B> {
     }
 }
 
+/// The trailers that end a body cut at the call's deadline.
+fn deadline_trailers() -> HeaderMap {
+    let mut trailers = HeaderMap::with_capacity(2);
+    trailers.insert(GRPC_STATUS, HeaderValue::from_static("4"));
+    trailers.insert(
+        "grpc-message",
+        HeaderValue::from_static("call deadline exceeded while receiving the response"),
+    );
+    trailers
+}
+
 impl<B: Body> Body for ResponseBody<B> {
     type Data = B::Data;
     type Error = B::Error;
@@ -52,10 +87,49 @@ impl<B: Body> Body for ResponseBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        let Some(inner) = self.project().inner.as_pin_mut() else {
+        let mut this = self.project();
+        let Some(inner) = this.inner.as_mut().as_pin_mut() else {
             return Poll::Ready(None);
         };
-        inner.poll_frame(cx).map(|frame| {
+        if let Some(deadline) = *this.deadline {
+            // A body that is always ready is checked against the clock; once
+            // it has had to wait, the timer says when the deadline passes.
+            let passed = match this.timer.as_mut() {
+                Some(timer) => timer.as_mut().poll(cx).is_ready(),
+                None => Instant::now() >= deadline,
+            };
+            if passed {
+                tracing::debug!("call deadline passed while receiving the response; ending it");
+                // NOTE: dropping the inner body resets its HTTP/2 stream.
+                this.inner.set(None);
+                *this.timer = None;
+                *this.deadline = None;
+                return Poll::Ready(Some(Ok(Frame::trailers(deadline_trailers()))));
+            }
+        }
+        let polled = inner.poll_frame(cx);
+        match &polled {
+            Poll::Pending => {
+                if let Some(deadline) = *this.deadline
+                    && this.timer.is_none()
+                {
+                    let timer = this.timer.insert(Box::pin(timer_by(deadline)));
+                    if timer.as_mut().poll(cx).is_ready() {
+                        // Passed while the body was being polled: be polled
+                        // again at once, to end it.
+                        cx.waker().wake_by_ref();
+                    }
+                }
+            }
+            Poll::Ready(Some(Ok(frame))) if !frame.is_trailers() => {}
+            // Trailers, an error or the end: the body is over, and its
+            // deadline no longer applies.
+            Poll::Ready(_) => {
+                *this.deadline = None;
+                *this.timer = None;
+            }
+        }
+        polled.map(|frame| {
             frame.map(|frame| {
                 frame.map(|frame| match frame.into_trailers() {
                     Ok(mut trailers) => {
@@ -83,8 +157,8 @@ impl<B: Body> Body for ResponseBody<B> {
 mod tests {
     use super::*;
     use bytes::Bytes;
-    use http::HeaderMap;
     use http_body_util::BodyExt;
+    use std::time::Duration;
 
     #[tokio::test]
     async fn data_passes_and_bad_details_trailer_is_dropped() {
@@ -95,11 +169,101 @@ mod tests {
             Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"abc"))),
             Ok(Frame::trailers(trailers)),
         ]));
-        let collected = ResponseBody::new(inner).collect().await.unwrap();
+        let collected = ResponseBody::new(inner, None).collect().await.unwrap();
         let trailers = collected.trailers().cloned().expect("trailers pass");
         assert_eq!(trailers["grpc-status"], "14");
         assert!(!trailers.contains_key("grpc-status-details-bin"));
         assert_eq!(collected.to_bytes(), "abc");
+    }
+
+    /// A body fed by hand.
+    fn channel_body() -> (
+        tokio::sync::mpsc::UnboundedSender<Result<Frame<Bytes>, std::convert::Infallible>>,
+        impl Body<Data = Bytes, Error = std::convert::Infallible>,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let body = http_body_util::StreamBody::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        );
+        (tx, body)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_body_ends_at_the_deadline_with_deadline_exceeded() {
+        let (tx, inner) = channel_body();
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(300);
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"first"))))
+            .unwrap();
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "first");
+        // The server stalls; the deadline passes.
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(Instant::now(), deadline, "ended exactly at the deadline");
+        let trailers = frame.into_trailers().expect("trailers end the cut body");
+        assert_eq!(trailers["grpc-status"], "4");
+        assert_eq!(
+            tonic::Status::from_header_map(&trailers).unwrap().code(),
+            tonic::Code::DeadlineExceeded
+        );
+        assert!(body.frame().await.is_none(), "nothing after the trailers");
+        assert!(tx.is_closed(), "the inner body was dropped");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_never_waits_is_still_cut_at_the_deadline() {
+        // A server streaming without pause: the body is always ready.
+        let inner =
+            http_body_util::StreamBody::new(tokio_stream::iter(std::iter::repeat_with(|| {
+                Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"x")))
+            })));
+        let deadline = Instant::now() + Duration::from_millis(10);
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let mut frames = 0;
+        loop {
+            let frame = body.frame().await.unwrap().unwrap();
+            if frame.is_trailers() {
+                assert_eq!(frame.into_trailers().unwrap()["grpc-status"], "4");
+                break;
+            }
+            frames += 1;
+            if frames % 100 == 0 {
+                tokio::time::advance(Duration::from_millis(1)).await;
+            }
+            assert!(frames < 10_000, "the body was never cut");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_ends_in_time_is_untouched_and_its_timer_goes() {
+        let (tx, inner) = channel_body();
+        let deadline = Instant::now() + Duration::from_millis(300);
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let reader = async {
+            let mut got = Vec::new();
+            while let Some(frame) = body.frame().await {
+                got.push(frame.unwrap());
+            }
+            got
+        };
+        let writer = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            tx.send(Ok(Frame::data(Bytes::from_static(b"late but in time"))))
+                .unwrap();
+            let mut t = HeaderMap::new();
+            t.insert("grpc-status", "0".parse().unwrap());
+            tx.send(Ok(Frame::trailers(t))).unwrap();
+            drop(tx);
+        };
+        let (got, ()) = tokio::join!(reader, writer);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1].trailers_ref().unwrap()["grpc-status"], "0");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            body.frame().await.is_none(),
+            "no deadline trailers after the end"
+        );
     }
 
     #[test]

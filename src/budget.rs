@@ -14,6 +14,7 @@
 //! deposits and withdrawals are lock-free compare-and-swap loops, and a balance
 //! already at its cap costs a deposit no more than one load.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -125,6 +126,11 @@ impl RetryBudget {
             .is_ok()
     }
 
+    /// Whether a whole token is there to withdraw (without taking it).
+    pub(crate) fn has_token(&self) -> bool {
+        self.inner.balance.load(Ordering::Relaxed) >= MILLI
+    }
+
     /// The current balance in tokens, e.g. for a `retry_budget_available` gauge.
     pub fn available(&self) -> f64 {
         self.inner.balance.load(Ordering::Relaxed) as f64 / MILLI as f64
@@ -134,6 +140,23 @@ impl RetryBudget {
     pub fn max_tokens(&self) -> u32 {
         (self.inner.max / MILLI) as u32
     }
+}
+
+/// The balance of a budget whose type this crate knows, for the layer's events.
+pub(crate) fn balance<Bu: 'static>(budget: &Bu) -> Option<f64> {
+    (budget as &dyn Any)
+        .downcast_ref::<RetryBudget>()
+        .map(RetryBudget::available)
+}
+
+/// Whether a budget whose type this crate knows has nothing to pay a retry
+/// with: the layer then refuses the retry at once instead of after its backoff.
+/// Any other `tower` budget is asked only when the retry is sent (its
+/// `withdraw` is the only question the `Budget` trait can answer).
+pub(crate) fn is_known_empty<Bu: 'static>(budget: &Bu) -> bool {
+    (budget as &dyn Any)
+        .downcast_ref::<RetryBudget>()
+        .is_some_and(|b| !b.has_token())
 }
 
 impl tower::retry::budget::Budget for RetryBudget {

@@ -9,23 +9,20 @@
 //! Everything here reads what a server or a network sent, so nothing here may
 //! panic, and nothing malformed may turn a response into a retryable one.
 
+use std::error::Error;
 use std::time::Duration;
 
 use base64::Engine as _;
 use base64::alphabet;
 use base64::engine::DecodePaddingMode;
 use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig};
-use http::{HeaderMap, HeaderName, StatusCode};
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, StatusCode};
+use prost::Message as _;
 use tonic::Code;
-use tonic_types::StatusExt as _;
 
 use crate::policy::RetryableCodes;
-
-pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
-pub(crate) const GRPC_STATUS_DETAILS: HeaderName =
-    HeaderName::from_static("grpc-status-details-bin");
-pub(crate) const GRPC_RETRY_PUSHBACK: HeaderName =
-    HeaderName::from_static("grpc-retry-pushback-ms");
+use crate::status::{GRPC_RETRY_PUSHBACK, GRPC_STATUS, GRPC_STATUS_DETAILS};
 
 /// The base64 flavour tonic decodes `grpc-status-details-bin` with: standard
 /// alphabet, padding optional. Checking with the same rules is what keeps
@@ -34,6 +31,10 @@ const DETAILS_BASE64: GeneralPurpose = GeneralPurpose::new(
     &alphabet::STANDARD,
     GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
 );
+
+/// The longest `google.protobuf.Duration` there is (10,000 years), as the
+/// protobuf definition bounds it.
+const MAX_PROTO_DURATION_SECS: i64 = 315_576_000_000;
 
 /// What one attempt's outcome means for the call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,24 +59,40 @@ impl Verdict {
             Verdict::Final(code) | Verdict::Retryable { code, .. } => code,
         }
     }
+
+    /// Whether the call succeeded: a committed response, or `OK`.
+    pub(crate) fn is_success(self) -> bool {
+        matches!(self, Verdict::Committed | Verdict::Final(Code::Ok))
+    }
 }
 
-/// Judges a response from its status line and headers.
+/// Judges a response from its status line and headers, exactly as a tonic
+/// client will read it.
 pub(crate) fn classify_response(
     status: StatusCode,
     headers: &HeaderMap,
     retryable: RetryableCodes,
 ) -> Verdict {
     let code = match headers.get(GRPC_STATUS) {
-        Some(value) => match parse_code(value.as_bytes()) {
-            Some(code) => code,
-            // A status nobody can read is reported as UNKNOWN and never retried,
-            // whatever the retryable set says about UNKNOWN.
-            None => return Verdict::Final(Code::Unknown),
+        // `Code::from_bytes` is what tonic's client reads the header with: only
+        // the canonical forms (`14`, never `014`, `+14` or ` 14`) are codes;
+        // anything else is UNKNOWN, which is final whatever the retryable set
+        // says.
+        Some(value) => match Code::from_bytes(value.as_bytes()) {
+            Code::Unknown => return Verdict::Final(Code::Unknown),
+            code => code,
         },
-        None if status == StatusCode::OK => return Verdict::Committed,
+        None if status == StatusCode::OK && is_grpc(headers) => return Verdict::Committed,
+        // A 200 that is not gRPC (a proxy's HTML page) is no answer of the
+        // server's: gRPC reads it as UNKNOWN.
+        None if status == StatusCode::OK => return Verdict::Final(Code::Unknown),
         None => code_for_http_status(status),
     };
+    retryable_verdict(code, headers, retryable)
+}
+
+/// The verdict for an error `code`, given the metadata the server sent with it.
+fn retryable_verdict(code: Code, headers: &HeaderMap, retryable: RetryableCodes) -> Verdict {
     if code == Code::Ok || !retryable.contains(code) {
         return Verdict::Final(code);
     }
@@ -84,18 +101,23 @@ pub(crate) fn classify_response(
         Pushback::After(delay) => Some(delay),
         Pushback::Stop => return Verdict::Final(code),
     };
-    // Without RetryInfo, RESOURCE_EXHAUSTED is a wall (queue full, memory
-    // guard), not a rate limit with a time to come back: retrying hits it again.
     let retry_info = match code {
         Code::ResourceExhausted | Code::Unavailable | Code::DeadlineExceeded => retry_info(headers),
-        _ => None,
+        _ => RetryInfo::Absent,
     };
-    if code == Code::ResourceExhausted && retry_info.is_none() {
-        return Verdict::Final(code);
-    }
+    let info_delay = match retry_info {
+        RetryInfo::Delay(delay) => Some(delay),
+        // A delay nobody can read is no reason to retry, and no time to wait.
+        RetryInfo::Malformed => return Verdict::Final(code),
+        // Without RetryInfo, RESOURCE_EXHAUSTED is a wall (queue full, memory
+        // guard), not a rate limit with a time to come back: retrying hits it
+        // again.
+        RetryInfo::Absent if code == Code::ResourceExhausted => return Verdict::Final(code),
+        RetryInfo::Absent => None,
+    };
     Verdict::Retryable {
         code,
-        server_delay: server_delay.or(retry_info.flatten()),
+        server_delay: server_delay.or(info_delay.flatten()),
     }
 }
 
@@ -112,37 +134,28 @@ pub(crate) fn classify_error(retryable: RetryableCodes) -> Verdict {
     }
 }
 
-/// The canonical upper-case name of a code, as gRPC documents and logs it.
-pub(crate) fn code_name(code: Code) -> &'static str {
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
+/// An attempt whose time limit ran out (the layer's cut, a channel's
+/// `grpc-timeout`, or a server's): `DEADLINE_EXCEEDED`, retryable while the
+/// call has time if the set allows it.
+pub(crate) fn classify_timeout(retryable: RetryableCodes) -> Verdict {
+    if retryable.contains(Code::DeadlineExceeded) {
+        Verdict::Retryable {
+            code: Code::DeadlineExceeded,
+            server_delay: None,
+        }
+    } else {
+        Verdict::Final(Code::DeadlineExceeded)
     }
 }
 
-/// A `grpc-status` value: one to three ASCII digits, nothing else.
-fn parse_code(value: &[u8]) -> Option<Code> {
-    if value.is_empty() || value.len() > 3 || !value.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    let n = value.iter().fold(0i32, |n, d| n * 10 + i32::from(d - b'0'));
-    // Numbers outside 0..=16 are well-formed but unknown: tonic reads them as UNKNOWN.
-    Some(Code::from_i32(n))
+/// Whether the response says it is gRPC: `application/grpc`, alone or
+/// followed by `+` (a subtype) or `;` (parameters), as gRPC clients check it.
+fn is_grpc(headers: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
+    headers.get(CONTENT_TYPE).is_some_and(|value| {
+        let value = value.as_bytes();
+        value.starts_with(GRPC) && matches!(value.get(GRPC.len()), None | Some(b'+' | b';'))
+    })
 }
 
 /// The gRPC code for an HTTP response that carries no `grpc-status`, as gRPC
@@ -189,16 +202,108 @@ fn pushback(headers: &HeaderMap) -> Pushback {
         })
 }
 
-/// `google.rpc.RetryInfo` from `grpc-status-details-bin`: `None` without one
-/// (absent header, bad base64, bad protobuf, no such detail), else the delay it
-/// names, if it names one.
-fn retry_info(headers: &HeaderMap) -> Option<Option<Duration>> {
-    let encoded = headers.get(GRPC_STATUS_DETAILS)?;
-    let details = DETAILS_BASE64.decode(encoded.as_bytes()).ok()?;
-    // `with_details` only stores the bytes; tonic-types decodes them, and
-    // reports malformed protobuf as "no RetryInfo".
-    let status = tonic::Status::with_details(Code::ResourceExhausted, "", details.into());
-    status.get_details_retry_info().map(|info| info.retry_delay)
+/// What `grpc-status-details-bin` says about `google.rpc.RetryInfo`.
+#[derive(Debug, PartialEq, Eq)]
+enum RetryInfo {
+    /// No RetryInfo: no header, or details nobody can decode.
+    Absent,
+    /// A RetryInfo, with the delay it names, if it names one.
+    Delay(Option<Duration>),
+    /// A RetryInfo whose delay is negative, out of range or undecodable.
+    Malformed,
+}
+
+/// Reads `google.rpc.RetryInfo` from `grpc-status-details-bin`.
+///
+/// The protobuf is decoded with tonic-types' message types, but the delay is
+/// checked here before it becomes a `Duration`: the conversion tonic-types
+/// uses (prost-types' `TryFrom`) negates the seconds of a negative delay, which
+/// overflows — a panic in debug builds — for `seconds = i64::MIN`.
+fn retry_info(headers: &HeaderMap) -> RetryInfo {
+    let Some(encoded) = headers.get(GRPC_STATUS_DETAILS) else {
+        return RetryInfo::Absent;
+    };
+    let Ok(details) = DETAILS_BASE64.decode(encoded.as_bytes()) else {
+        return RetryInfo::Absent;
+    };
+    let Ok(status) = tonic_types::pb::Status::decode(details.as_slice()) else {
+        return RetryInfo::Absent;
+    };
+    let Some(any) = status
+        .details
+        .iter()
+        .find(|any| any.type_url == tonic_types::RetryInfo::TYPE_URL)
+    else {
+        return RetryInfo::Absent;
+    };
+    let Ok(info) = tonic_types::pb::RetryInfo::decode(any.value.as_slice()) else {
+        return RetryInfo::Malformed;
+    };
+    match info.retry_delay {
+        None => RetryInfo::Delay(None),
+        Some(delay) => proto_duration(delay.seconds, delay.nanos)
+            .map_or(RetryInfo::Malformed, |d| RetryInfo::Delay(Some(d))),
+    }
+}
+
+/// A `google.protobuf.Duration` as a `Duration`, if it is a valid, non-negative
+/// one: seconds within the type's documented range, nanos within `0..1e9`.
+fn proto_duration(seconds: i64, nanos: i32) -> Option<Duration> {
+    if !(0..=MAX_PROTO_DURATION_SECS).contains(&seconds) || !(0..1_000_000_000).contains(&nanos) {
+        return None;
+    }
+    // Both checked non-negative and in range just above.
+    Some(Duration::new(seconds.unsigned_abs(), nanos.unsigned_abs()))
+}
+
+/// Whether an inner service's error says a time limit below the layer ran
+/// out: tonic's Channel enforcing `grpc-timeout` (`TimeoutExpired`, which tonic
+/// would report as CANCELLED) or a `tower::timeout` layer (`Elapsed`).
+pub(crate) fn is_timeout(error: &(dyn Error + 'static)) -> bool {
+    sources(error)
+        .any(|e| e.is::<tonic::TimeoutExpired>() || e.is::<tower::timeout::error::Elapsed>())
+}
+
+/// A `tonic::Status` carried by an inner service's error, which tonic's client
+/// would report as that status.
+pub(crate) fn status_in<'a>(error: &'a (dyn Error + 'static)) -> Option<&'a tonic::Status> {
+    sources(error).find_map(|e| e.downcast_ref::<tonic::Status>())
+}
+
+/// An error and its sources, joined by `: ` (repeats skipped), at most about
+/// 512 bytes: for the message of the status a caller gets instead.
+pub(crate) fn describe(error: &(dyn Error + 'static)) -> String {
+    const MAX: usize = 512;
+    let mut out = String::new();
+    let mut last = String::new();
+    for e in sources(error) {
+        let text = e.to_string();
+        if text.is_empty() || last.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+        last = text;
+        if out.len() > MAX {
+            let mut cut = MAX;
+            while !out.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            out.truncate(cut);
+            out.push('…');
+            break;
+        }
+    }
+    out
+}
+
+fn sources<'a>(
+    error: &'a (dyn Error + 'static),
+) -> impl Iterator<Item = &'a (dyn Error + 'static)> {
+    // Bounded, in case an error type's `source` chain loops.
+    std::iter::successors(Some(error), |&e| e.source()).take(32)
 }
 
 /// Drops a `grpc-status-details-bin` header that is not valid base64.
@@ -319,16 +424,74 @@ mod tests {
     #[test]
     fn malformed_grpc_status_is_unknown_and_never_retried() {
         let everything: RetryableCodes = (0..=16).map(Code::from_i32).collect();
-        for bad in ["", "x", "14 ", " 14", "1.4", "-14", "0014", "99999"] {
+        // Each of these is UNKNOWN to tonic's client (`Code::from_bytes`), so it
+        // is UNKNOWN here: never retried, and never a success (`00`).
+        for bad in [
+            "", "x", "14 ", " 14", "+14", "1.4", "-14", "014", "0014", "00", "000", "99", "17",
+            "99999",
+        ] {
             let h = headers(&[("grpc-status", bad)]);
             let got = classify_response(StatusCode::OK, &h, everything);
             assert_eq!(got, Verdict::Final(Code::Unknown), "grpc-status {bad:?}");
+            assert!(!got.is_success(), "grpc-status {bad:?}");
+            let tonic_reads = tonic::Status::from_header_map(&h).map(|s| s.code());
+            assert_eq!(tonic_reads, Some(Code::Unknown), "tonic reads {bad:?}");
         }
-        let h = headers(&[("grpc-status", "99")]);
-        assert_eq!(judge(&h), Verdict::Final(Code::Unknown), "unknown number");
         let mut h = HeaderMap::new();
         h.insert("grpc-status", HeaderValue::from_bytes(b"1\xff").unwrap());
         assert_eq!(judge(&h), Verdict::Final(Code::Unknown), "non-UTF-8");
+    }
+
+    #[test]
+    fn every_status_reads_as_tonic_reads_it() {
+        // All one- and two-byte values: the layer and tonic's client agree.
+        let everything: RetryableCodes = (0..=16).map(Code::from_i32).collect();
+        for len in 1..=2usize {
+            for n in 0..256usize.pow(len as u32) {
+                let bytes: Vec<u8> = (0..len).map(|i| (n >> (8 * i)) as u8).collect();
+                let Ok(value) = HeaderValue::from_bytes(&bytes) else {
+                    continue;
+                };
+                let mut h = HeaderMap::new();
+                h.insert("grpc-status", value);
+                let tonic_code = tonic::Status::from_header_map(&h).unwrap().code();
+                assert_eq!(
+                    classify_response(StatusCode::OK, &h, everything).code(),
+                    tonic_code,
+                    "{bytes:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_200_that_is_not_grpc_is_unknown_and_not_a_success() {
+        for (content_type, committed) in [
+            (Some("application/grpc"), true),
+            (Some("application/grpc+proto"), true),
+            (Some("application/grpc;charset=utf-8"), true),
+            (Some("text/html"), false),
+            (Some("application/grpcx"), false),
+            (Some("application/json"), false),
+            (Some("APPLICATION/GRPC"), false),
+            (None, false),
+        ] {
+            let h = match content_type {
+                Some(ct) => headers(&[("content-type", ct)]),
+                None => HeaderMap::new(),
+            };
+            let got = judge(&h);
+            let want = if committed {
+                Verdict::Committed
+            } else {
+                Verdict::Final(Code::Unknown)
+            };
+            assert_eq!(got, want, "content-type {content_type:?}");
+            assert_eq!(got.is_success(), committed, "content-type {content_type:?}");
+        }
+        // With grpc-status, the content type does not matter.
+        let h = headers(&[("grpc-status", "14"), ("content-type", "text/html")]);
+        assert!(matches!(judge(&h), Verdict::Retryable { .. }));
     }
 
     #[test]
@@ -388,6 +551,99 @@ mod tests {
                 "details {bad:?}"
             );
         }
+    }
+
+    /// A `grpc-status-details-bin` value whose RetryInfo delay is raw
+    /// `seconds` and `nanos`, as a hostile server could send it.
+    fn raw_retry_info_header(seconds: i64, nanos: i32) -> String {
+        let info = tonic_types::pb::RetryInfo {
+            retry_delay: Some(prost_types::Duration { seconds, nanos }),
+        };
+        let status = tonic_types::pb::Status {
+            code: 8,
+            message: String::new(),
+            details: vec![prost_types::Any {
+                type_url: tonic_types::RetryInfo::TYPE_URL.to_owned(),
+                value: info.encode_to_vec(),
+            }],
+        };
+        DETAILS_BASE64.encode(status.encode_to_vec())
+    }
+
+    #[test]
+    fn extreme_retry_info_delays_never_panic_and_are_not_retried() {
+        for (seconds, nanos) in [
+            (i64::MIN, 0),
+            (i64::MIN, -1),
+            (i64::MIN, i32::MIN),
+            (-1, 0),
+            (0, -1),
+            (-1, 999_999_999),
+            (0, 1_000_000_000),
+            (0, i32::MAX),
+            (i64::MAX, 0),
+            (i64::MAX, i32::MAX),
+            (MAX_PROTO_DURATION_SECS + 1, 0),
+        ] {
+            for code in ["8", "14", "4"] {
+                let h = headers(&[
+                    ("grpc-status", code),
+                    (
+                        "grpc-status-details-bin",
+                        &raw_retry_info_header(seconds, nanos),
+                    ),
+                ]);
+                let got = judge(&h);
+                assert!(
+                    matches!(got, Verdict::Final(_)),
+                    "delay ({seconds}, {nanos}) with code {code}: {got:?}"
+                );
+            }
+        }
+        // The largest valid delay is read exactly (the cap on waiting is the
+        // call policy's business).
+        let h = headers(&[
+            ("grpc-status", "8"),
+            (
+                "grpc-status-details-bin",
+                &raw_retry_info_header(MAX_PROTO_DURATION_SECS, 999_999_999),
+            ),
+        ]);
+        assert_eq!(
+            judge(&h),
+            Verdict::Retryable {
+                code: Code::ResourceExhausted,
+                server_delay: Some(Duration::new(315_576_000_000, 999_999_999)),
+            }
+        );
+    }
+
+    #[test]
+    fn timer_errors_and_statuses_are_found_in_the_source_chain() {
+        #[derive(Debug)]
+        struct Wrap(Box<dyn Error + Send + Sync>);
+        impl std::fmt::Display for Wrap {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("transport error")
+            }
+        }
+        impl Error for Wrap {
+            fn source(&self) -> Option<&(dyn Error + 'static)> {
+                Some(&*self.0)
+            }
+        }
+        let timeout = Wrap(Box::new(tonic::TimeoutExpired(())));
+        assert!(is_timeout(&timeout));
+        assert!(is_timeout(&tower::timeout::error::Elapsed::new()));
+        let refused = Wrap("connection refused".into());
+        assert!(!is_timeout(&refused));
+        assert_eq!(describe(&refused), "transport error: connection refused");
+        assert!(status_in(&refused).is_none());
+        let status = Wrap(Box::new(tonic::Status::permission_denied("no")));
+        assert_eq!(status_in(&status).unwrap().code(), Code::PermissionDenied);
+
+        let long = Wrap("x".repeat(10_000).into());
+        assert!(describe(&long).len() < 600);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use http::{HeaderName, HeaderValue};
+use tokio::time::{Instant, Sleep};
 
 pub(crate) const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
@@ -22,6 +23,19 @@ const UNITS: [(u8, u128); 6] = [
     (b'M', 60 * 1_000_000_000),
     (b'H', 3_600 * 1_000_000_000),
 ];
+
+/// Just under tokio's timer resolution.
+const TIMER_SLACK: Duration = Duration::from_nanos(999_999);
+
+/// A timer that fires by `at`, never after it.
+///
+/// tokio's timer fires on the first millisecond tick at or after its instant,
+/// so a plain `sleep_until(at)` may fire up to a millisecond late. Started just
+/// under a millisecond early, it fires on the tick at or before `at`: a call
+/// cut by it never outlives its deadline.
+pub(crate) fn timer_by(at: Instant) -> Sleep {
+    tokio::time::sleep_until(at.checked_sub(TIMER_SLACK).unwrap_or(at))
+}
 
 /// Parses a `grpc-timeout` value; `None` if it is not in the wire format.
 pub(crate) fn parse_grpc_timeout(value: &HeaderValue) -> Option<Duration> {

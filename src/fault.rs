@@ -43,10 +43,10 @@ use tonic_types::{ErrorDetails, StatusExt};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::classify::{GRPC_RETRY_PUSHBACK, code_name};
 use crate::deadline::GRPC_TIMEOUT;
 use crate::error::ConfigError;
 use crate::marks::{ALREADY_TRIED, IDEMPOTENCY_KEY, INSTANCE_ID, PREVIOUS_ATTEMPTS};
+use crate::status::{GRPC_RETRY_PUSHBACK, code_name};
 
 /// The most requests [`FaultLayer::seen`] keeps; later ones are only counted.
 pub const SEEN_LIMIT: usize = 100_000;

@@ -6,7 +6,8 @@ use tower_layer::Layer;
 use crate::budget::RetryBudget;
 use crate::metrics::RetryMetrics;
 use crate::policy::RetryPolicy;
-use crate::service::{RetryService, Shared};
+use crate::service::RetryService;
+use crate::shared::Shared;
 
 /// Applies [`RetryService`] to a service: see the [crate docs](crate).
 ///

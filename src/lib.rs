@@ -161,6 +161,7 @@ mod attempt;
 pub mod balance;
 mod body;
 mod budget;
+mod call;
 mod classify;
 mod deadline;
 mod error;
@@ -173,13 +174,18 @@ mod metrics;
 mod policy;
 pub mod replay;
 mod service;
+mod shared;
+mod status;
 
 pub use body::ResponseBody;
 pub use budget::RetryBudget;
 pub use error::ConfigError;
 pub use layer::RetryLayer;
-pub use marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, PREVIOUS_ATTEMPTS};
+pub use marks::{
+    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, MAX_INSTANCE_ID_LEN,
+    MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance,
+};
 pub use metrics::RetryMetrics;
-pub use policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
+pub use policy::{DEFAULT_MAX_SERVER_DELAY, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
 pub use replay::{ReplayBody, ReplayError};
 pub use service::RetryService;

@@ -3,6 +3,7 @@
 //! and the instances that already failed this call.
 
 use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
@@ -38,13 +39,27 @@ pub(crate) fn new_idempotency_key() -> HeaderValue {
     key
 }
 
+/// The longest instance id, in bytes, that the already-tried mark carries;
+/// longer ids are skipped.
+pub const MAX_INSTANCE_ID_LEN: usize = 128;
+
+/// The most instances the already-tried mark names; further ids are skipped.
+pub const MAX_TRIED_INSTANCES: usize = 8;
+
 /// The instances that failed earlier attempts of this call.
 ///
 /// Set as a request extension on every retry (and mirrored in the
 /// [`x-already-tried`](ALREADY_TRIED) header for balancers in other processes),
-/// so a balancer below the layer can send the retry elsewhere. Instance ids are
-/// learned from the response header named by
-/// [`RetryPolicy::with_instance_header`](crate::RetryPolicy::with_instance_header).
+/// so a balancer below the layer can send the retry elsewhere. The layer learns
+/// instance ids from the response header named by
+/// [`RetryPolicy::with_instance_header`](crate::RetryPolicy::with_instance_header),
+/// or, for an attempt that got no response, from the balancer's
+/// [`PickedInstance`] report. A mark the caller sets (header or extension) is
+/// merged with what the layer learns.
+///
+/// The mark is bounded: an id is visible ASCII without commas, at most
+/// [`MAX_INSTANCE_ID_LEN`] bytes, and at most [`MAX_TRIED_INSTANCES`] ids are
+/// kept. Anything else is skipped, never an error.
 ///
 /// ```
 /// use tonic_retry::AlreadyTried;
@@ -58,6 +73,10 @@ pub(crate) fn new_idempotency_key() -> HeaderValue {
 /// }
 /// # let mut req = http::Request::new(());
 /// # assert_eq!(pick(&["a", "b"], &req), Some("a"));
+/// # let mut tried = AlreadyTried::default();
+/// # tried.insert("a");
+/// # req.extensions_mut().insert(tried);
+/// # assert_eq!(pick(&["a", "b"], &req), Some("b"));
 /// ```
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct AlreadyTried {
@@ -65,6 +84,14 @@ pub struct AlreadyTried {
 }
 
 impl AlreadyTried {
+    /// The ids named by an `x-already-tried` header value (comma-separated);
+    /// ids that are invalid, repeated or over the bounds are skipped.
+    pub fn from_header(value: &HeaderValue) -> Self {
+        let mut tried = Self::default();
+        tried.merge_header(value);
+        tried
+    }
+
     /// Whether `instance` failed an earlier attempt of this call.
     pub fn contains(&self, instance: &str) -> bool {
         self.ids.iter().any(|id| id == instance)
@@ -85,18 +112,46 @@ impl AlreadyTried {
         self.ids.is_empty()
     }
 
-    /// Adds the instance named by a response header; ids that are not visible
-    /// ASCII, or are already named, are skipped.
-    pub(crate) fn record(&mut self, id: &HeaderValue) {
-        if let Ok(id) = id.to_str() {
-            let id = id.trim();
-            if !id.is_empty() && !id.contains(',') && !self.contains(id) {
-                self.ids.push(id.to_owned());
+    /// Names `instance` (surrounding whitespace trimmed). Returns whether it
+    /// was added: an id that is empty, not visible ASCII, contains a comma, is
+    /// longer than [`MAX_INSTANCE_ID_LEN`], is already named, or would exceed
+    /// [`MAX_TRIED_INSTANCES`] is skipped.
+    pub fn insert(&mut self, instance: &str) -> bool {
+        let id = instance.trim();
+        let valid = !id.is_empty()
+            && id.len() <= MAX_INSTANCE_ID_LEN
+            && id.bytes().all(|b| b.is_ascii_graphic() && b != b',');
+        if !valid || self.ids.len() >= MAX_TRIED_INSTANCES || self.contains(id) {
+            return false;
+        }
+        self.ids.push(id.to_owned());
+        true
+    }
+
+    /// Adds the instance named by a header value (e.g. a response's
+    /// `x-instance-id`), if it is a valid id.
+    pub(crate) fn record(&mut self, id: &HeaderValue) -> bool {
+        id.to_str().is_ok_and(|id| self.insert(id))
+    }
+
+    /// Adds the ids of an `x-already-tried` header value.
+    pub(crate) fn merge_header(&mut self, value: &HeaderValue) {
+        if let Ok(list) = value.to_str() {
+            for id in list.split(',') {
+                self.insert(id);
             }
         }
     }
 
-    /// The header form: ids joined by `,`.
+    /// Adds every id of `other`.
+    pub(crate) fn merge(&mut self, other: &AlreadyTried) {
+        for id in other.iter() {
+            self.insert(id);
+        }
+    }
+
+    /// The header form: ids joined by `,`. Every id is visible ASCII, so the
+    /// value is always valid.
     pub(crate) fn to_header(&self) -> Option<HeaderValue> {
         HeaderValue::try_from(self.ids.join(",")).ok()
     }
@@ -105,6 +160,67 @@ impl AlreadyTried {
 impl fmt::Debug for AlreadyTried {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_set().entries(&self.ids).finish()
+    }
+}
+
+/// Where a balancer below the layer reports the instance it sent an attempt
+/// to, so that the layer learns it whatever the attempt's outcome — also when
+/// the attempt got no response at all (cut by the per-attempt timeout, or a
+/// transport error) and so carries no `x-instance-id`.
+///
+/// The layer puts one in the request extensions of every attempt (unless the
+/// policy learns no instance ids: `with_instance_header(None)`); a balancer
+/// that picks an endpoint calls [`set`](PickedInstance::set) on it. The
+/// instance then counts as tried if the attempt fails, and the retry is marked
+/// to go elsewhere. [`PreferUntried`](crate::balance::PreferUntried) does this.
+///
+/// ```
+/// use http::HeaderValue;
+/// use tonic_retry::PickedInstance;
+///
+/// fn route<B>(req: &http::Request<B>, chosen: &'static str) {
+///     if let Some(picked) = req.extensions().get::<PickedInstance>() {
+///         picked.set(HeaderValue::from_static(chosen));
+///     }
+/// }
+/// # let picked = PickedInstance::default();
+/// # let mut req = http::Request::new(());
+/// # req.extensions_mut().insert(picked.clone());
+/// # route(&req, "b");
+/// # assert_eq!(picked.get().unwrap(), "b");
+/// ```
+#[derive(Clone, Default)]
+pub struct PickedInstance {
+    slot: Arc<Mutex<Option<HeaderValue>>>,
+}
+
+impl PickedInstance {
+    /// Reports the instance the attempt is sent to.
+    pub fn set(&self, instance: HeaderValue) {
+        *self.lock() = Some(instance);
+    }
+
+    /// The instance reported for the current attempt, if any.
+    pub fn get(&self) -> Option<HeaderValue> {
+        self.lock().clone()
+    }
+
+    /// Takes the report, leaving the slot empty for the next attempt.
+    pub(crate) fn take(&self) -> Option<HeaderValue> {
+        self.lock().take()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<HeaderValue>> {
+        // The slot holds a plain value; a panic elsewhere cannot leave it torn.
+        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for PickedInstance {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PickedInstance")
+            .field(&*self.lock())
+            .finish()
     }
 }
 
@@ -133,5 +249,33 @@ mod tests {
         assert_eq!(t.iter().collect::<Vec<_>>(), ["a", "b"]);
         assert_eq!(t.to_header().unwrap(), "a,b");
         assert!(t.contains("b") && !t.contains("c"));
+    }
+
+    #[test]
+    fn the_mark_is_bounded_in_ids_and_bytes() {
+        let mut t = AlreadyTried::default();
+        assert!(!t.insert(&"x".repeat(MAX_INSTANCE_ID_LEN + 1)), "too long");
+        assert!(t.insert(&"x".repeat(MAX_INSTANCE_ID_LEN)), "just fits");
+        assert!(!t.insert("has space"), "not visible ASCII");
+        assert!(!t.insert("caf\u{e9}"), "not ASCII");
+        for i in 0..100 {
+            t.insert(&format!("i{i}"));
+        }
+        assert_eq!(t.len(), MAX_TRIED_INSTANCES);
+        let header = t.to_header().unwrap();
+        assert!(header.len() <= MAX_TRIED_INSTANCES * (MAX_INSTANCE_ID_LEN + 1));
+
+        let huge = HeaderValue::try_from(format!("a, ,b,,{},c,a", "y".repeat(1000))).unwrap();
+        let parsed = AlreadyTried::from_header(&huge);
+        assert_eq!(parsed.iter().collect::<Vec<_>>(), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn a_picked_instance_is_taken_once() {
+        let picked = PickedInstance::default();
+        let seen_by_balancer = picked.clone();
+        seen_by_balancer.set(HeaderValue::from_static("b"));
+        assert_eq!(picked.take().unwrap(), "b");
+        assert!(picked.take().is_none());
     }
 }

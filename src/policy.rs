@@ -12,6 +12,10 @@ use crate::error::ConfigError;
 /// The most attempts a call may make, first attempt included (as in gRPC's A6).
 pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
 
+/// The longest server-given delay a retry waits for by default; see
+/// [`RetryPolicy::with_max_server_delay`].
+pub const DEFAULT_MAX_SERVER_DELAY: Duration = Duration::from_secs(30);
+
 /// The set of status codes the layer may retry.
 ///
 /// The default is `UNAVAILABLE`, `DEADLINE_EXCEEDED` and `RESOURCE_EXHAUSTED`,
@@ -99,6 +103,7 @@ impl fmt::Debug for RetryableCodes {
 /// | total timeout (without `grpc-timeout`) | none |
 /// | per-attempt timeout | none |
 /// | minimum attempt budget | 20 ms |
+/// | longest server-given delay waited for | 30 s |
 /// | replay buffer limit | 64 KiB |
 /// | idempotency key generation | on (`x-idempotency-key`) |
 /// | instance id response header | `x-instance-id` |
@@ -128,6 +133,7 @@ pub struct RetryPolicy {
     pub(crate) total_timeout: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) min_attempt_budget: Duration,
+    pub(crate) max_server_delay: Duration,
     pub(crate) replay_limit: usize,
     pub(crate) idempotency_key: bool,
     pub(crate) instance_header: Option<HeaderName>,
@@ -177,6 +183,7 @@ impl RetryPolicy {
             total_timeout: None,
             attempt_timeout: None,
             min_attempt_budget: Duration::from_millis(20),
+            max_server_delay: DEFAULT_MAX_SERVER_DELAY,
             replay_limit: 64 * 1024,
             idempotency_key: true,
             instance_header: Some(crate::marks::INSTANCE_ID),
@@ -217,6 +224,20 @@ impl RetryPolicy {
     #[must_use]
     pub fn with_min_attempt_budget(mut self, budget: Duration) -> Self {
         self.min_attempt_budget = budget;
+        self
+    }
+
+    /// The longest delay a server may make a retry wait (default 30 s), through
+    /// `grpc-retry-pushback-ms` or `google.rpc.RetryInfo`. A server asking for
+    /// longer gets no retry: the call ends at once with the server's status.
+    ///
+    /// Without it, a call with no deadline would sleep for as long as any
+    /// server said (`grpc-retry-pushback-ms: 4000000000` is 46 days). With a
+    /// deadline, a delay beyond the time left ends the call with
+    /// `DEADLINE_EXCEEDED` whatever this says.
+    #[must_use]
+    pub fn with_max_server_delay(mut self, max: Duration) -> Self {
+        self.max_server_delay = max;
         self
     }
 
@@ -305,6 +326,7 @@ mod tests {
         assert_eq!(p.max_delay, 500 * MS);
         assert_eq!(p.jitter, 0.2);
         assert_eq!(p.min_attempt_budget, 20 * MS);
+        assert_eq!(p.max_server_delay, Duration::from_secs(30));
         assert_eq!(p.replay_limit, 64 * 1024);
         assert!(p.idempotency_key);
         assert_eq!(p.retryable, RetryableCodes::default());

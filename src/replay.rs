@@ -11,6 +11,11 @@
 //! reading carries on and delivers the body whole, but the body can no longer be
 //! replayed, and the layer does not retry the call. A clone that would need
 //! dropped chunks fails with [`ReplayError`] rather than send a truncated body.
+//!
+//! The copy also goes as soon as the call can no longer be retried — its
+//! response committed, the call decided, or its last attempt sent and past the
+//! replayed part — and nothing more is copied after that: a long client or
+//! bidirectional stream holds no copy for its lifetime.
 
 use std::fmt;
 use std::pin::Pin;
@@ -33,6 +38,9 @@ pub struct ReplayBody<B> {
     pos: usize,
     /// Whether this clone has yielded the trailers.
     trailers_sent: bool,
+    /// Whether this clone is the call's last attempt: once it has replayed
+    /// the copy, nobody needs it any more.
+    last: bool,
 }
 
 struct Shared<B> {
@@ -46,6 +54,9 @@ struct Shared<B> {
     bytes: usize,
     limit: usize,
     capped: bool,
+    /// The call can no longer be retried: the copy is dropped and nothing
+    /// more is copied.
+    released: bool,
     ended: bool,
     failed: bool,
     trailers: Option<HeaderMap>,
@@ -103,6 +114,8 @@ pub enum ReplayError {
     Capped,
     /// The caller's body failed while an earlier attempt was reading it.
     SourceFailed,
+    /// The call could no longer be retried, so its copy was released.
+    Released,
 }
 
 impl fmt::Display for ReplayError {
@@ -110,6 +123,9 @@ impl fmt::Display for ReplayError {
         f.write_str(match self {
             ReplayError::Capped => "request body outgrew the replay limit and cannot be sent again",
             ReplayError::SourceFailed => "request body failed on an earlier attempt",
+            ReplayError::Released => {
+                "the call could no longer be retried, so its copy of the request body was released"
+            }
         })
     }
 }
@@ -123,6 +139,15 @@ impl<B: Body> ReplayBody<B> {
     /// copy at all: it is sent once, as it is, and is never replayable.
     pub fn new(body: B, limit: usize) -> Self {
         let capped = body.size_hint().lower() > limit as u64;
+        Self::with_state(body, limit, capped, false)
+    }
+
+    /// Wraps `body` for a call that will never be retried: nothing is copied.
+    pub(crate) fn unreplayable(body: B) -> Self {
+        Self::with_state(body, 0, false, true)
+    }
+
+    fn with_state(body: B, limit: usize, capped: bool, released: bool) -> Self {
         ReplayBody {
             shared: Arc::new(Mutex::new(Shared {
                 source: Some(body),
@@ -131,6 +156,7 @@ impl<B: Body> ReplayBody<B> {
                 bytes: 0,
                 limit,
                 capped,
+                released,
                 ended: false,
                 failed: false,
                 trailers: None,
@@ -138,6 +164,7 @@ impl<B: Body> ReplayBody<B> {
             })),
             pos: 0,
             trailers_sent: false,
+            last: false,
         }
     }
 }
@@ -153,7 +180,20 @@ impl<B> ReplayBody<B> {
     /// been dropped and the caller's body has not failed.
     pub fn is_replayable(&self) -> bool {
         let shared = self.lock();
-        !shared.capped && !shared.failed
+        !shared.capped && !shared.failed && !shared.released
+    }
+
+    /// Drops the copy and copies nothing more: the call can no longer be
+    /// retried. Clones that still need the copy fail with
+    /// [`ReplayError::Released`]; the clone reading at the front carries on.
+    pub(crate) fn release(&self) {
+        self.lock().release();
+    }
+
+    /// Marks this clone as the call's last attempt: once it has replayed the
+    /// copy, the copy is released.
+    pub(crate) fn mark_last(&mut self) {
+        self.last = true;
     }
 
     /// Whether the body outgrew the replay limit.
@@ -180,10 +220,17 @@ impl<B> Shared<B> {
         }
     }
 
+    fn release(&mut self) {
+        if !self.released {
+            self.released = true;
+            self.chunks = Kept::default();
+        }
+    }
+
     fn keep(&mut self, chunk: &Bytes) {
         self.read += 1;
         self.bytes = self.bytes.saturating_add(chunk.len());
-        if self.capped {
+        if self.capped || self.released {
             return;
         }
         if self.bytes > self.limit {
@@ -220,9 +267,19 @@ where
             if shared.capped {
                 return Poll::Ready(Some(Err(ReplayError::Capped.into())));
             }
+            if shared.released {
+                return Poll::Ready(Some(Err(ReplayError::Released.into())));
+            }
             let chunk = shared.chunks.get(this.pos).clone();
             this.pos += 1;
+            if this.last && this.pos == shared.read {
+                // The last attempt has the whole copy now; nobody else will.
+                shared.release();
+            }
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        if this.last {
+            shared.release();
         }
         if shared.failed {
             return Poll::Ready(Some(Err(ReplayError::SourceFailed.into())));
@@ -321,6 +378,7 @@ impl<B> Clone for ReplayBody<B> {
             shared: Arc::clone(&self.shared),
             pos: 0,
             trailers_sent: false,
+            last: false,
         }
     }
 }
@@ -343,6 +401,7 @@ impl<B> fmt::Debug for ReplayBody<B> {
             .field("bytes", &shared.bytes)
             .field("limit", &shared.limit)
             .field("capped", &shared.capped)
+            .field("released", &shared.released)
             .field("ended", &shared.ended)
             .finish()
     }
@@ -534,6 +593,79 @@ mod tests {
         assert!(body.is_capped());
         let bytes = body.collect().await.unwrap().to_bytes();
         assert_eq!(bytes, "0123456789");
+    }
+
+    /// How many chunks the shared copy holds.
+    fn kept(body: &ReplayBody<Source>) -> usize {
+        let shared = body.lock();
+        usize::from(shared.chunks.first.is_some()) + shared.chunks.rest.len()
+    }
+
+    #[tokio::test]
+    async fn after_release_the_stream_goes_on_and_nothing_is_copied() {
+        let (tx, mut first) = fixture(1 << 20);
+        tx.send(data("before")).unwrap();
+        first.frame().await.unwrap().unwrap();
+        assert_eq!(kept(&first), 1);
+        // The response committed: no retry can follow.
+        first.release();
+        assert_eq!(kept(&first), 0, "the copy is dropped at once");
+        assert!(!first.is_replayable());
+        for _ in 0..100 {
+            tx.send(data("streamed on")).unwrap();
+            let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+            assert_eq!(chunk, "streamed on", "the stream is not disturbed");
+        }
+        assert_eq!(kept(&first), 0, "nothing is copied after the release");
+        let mut late = first.clone();
+        let err = late.frame().await.unwrap().unwrap_err();
+        assert_eq!(
+            err.downcast_ref::<ReplayError>(),
+            Some(&ReplayError::Released)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_last_attempt_releases_the_copy_once_it_has_replayed_it() {
+        let (tx, mut first) = fixture(1 << 20);
+        tx.send(data("a")).unwrap();
+        tx.send(data("b")).unwrap();
+        first.frame().await.unwrap().unwrap();
+        first.frame().await.unwrap().unwrap();
+        let mut last = first.clone();
+        drop(first);
+        last.mark_last();
+        assert_eq!(
+            last.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "a"
+        );
+        assert_eq!(kept(&last), 2, "still replaying");
+        assert_eq!(
+            last.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "b"
+        );
+        assert_eq!(kept(&last), 0, "replayed whole: the copy goes");
+        tx.send(data("c")).unwrap();
+        drop(tx);
+        assert_eq!(
+            last.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "c"
+        );
+        assert_eq!(kept(&last), 0, "and nothing more is copied");
+        assert!(last.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_body_that_is_never_retried_keeps_nothing() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut body = ReplayBody::unreplayable(StreamBody::new(UnboundedReceiverStream::new(rx)));
+        tx.send(data("x")).unwrap();
+        assert_eq!(
+            body.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "x"
+        );
+        assert_eq!(kept(&body), 0);
+        assert!(!body.is_replayable());
     }
 
     #[tokio::test]

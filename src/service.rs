@@ -3,6 +3,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::header::Entry;
+use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
@@ -11,32 +13,20 @@ use tower::retry::Retry;
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
-use crate::attempt::{Attempt, CallPolicy};
+use crate::attempt::{Attempt, Limits};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
+use crate::call::CallPolicy;
 use crate::deadline::{GRPC_TIMEOUT, parse_grpc_timeout};
 use crate::future::ResponseFuture;
-use crate::marks::{IDEMPOTENCY_KEY, new_idempotency_key};
+use crate::marks::{
+    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, PickedInstance,
+    new_idempotency_key,
+};
 use crate::metrics::RetryMetrics;
 use crate::policy::RetryPolicy;
 use crate::replay::ReplayBody;
-
-/// What every call through one layer shares.
-pub(crate) struct Shared<Bu> {
-    pub(crate) policy: RetryPolicy,
-    pub(crate) budget: Bu,
-    pub(crate) metrics: RetryMetrics,
-}
-
-impl<Bu> Shared<Bu> {
-    pub(crate) fn new(policy: RetryPolicy, budget: Bu) -> Arc<Self> {
-        Arc::new(Self {
-            policy,
-            budget,
-            metrics: RetryMetrics::default(),
-        })
-    }
-}
+use crate::shared::Shared;
 
 /// Retries gRPC calls to the inner service; see the [crate docs](crate).
 ///
@@ -55,9 +45,17 @@ impl<Bu> Shared<Bu> {
 /// own, implement `From<ReplayBody<YourBody>>`.
 ///
 /// The response body is wrapped in [`ResponseBody`](crate::ResponseBody), which
-/// passes frames through, so that the layer can answer with statuses of its own.
+/// passes frames through, so that the layer can answer with statuses of its own
+/// and end a response still streaming at the call's deadline.
+///
+/// The inner service's errors must convert into `BoxError` (tonic's own do):
+/// the layer reads them — a timer below it, a status inside — and a call whose
+/// last attempt got no response reaches the caller as an `UNAVAILABLE` status
+/// naming the error, as gRPC reports transport failures.
 pub struct RetryService<S, Bu = RetryBudget> {
     inner: S,
+    /// Whether `inner` said it was ready and no call has used it since.
+    ready: bool,
     shared: Arc<Shared<Bu>>,
 }
 
@@ -75,7 +73,11 @@ impl<S, Bu> RetryService<S, Bu> {
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared<Bu>>) -> Self {
-        Self { inner, shared }
+        Self {
+            inner,
+            ready: false,
+            shared,
+        }
     }
 
     /// The inner service.
@@ -108,6 +110,7 @@ impl<S: Clone, Bu> Clone for RetryService<S, Bu> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
+            ready: false,
             shared: Arc::clone(&self.shared),
         }
     }
@@ -116,6 +119,7 @@ impl<S: Clone, Bu> Clone for RetryService<S, Bu> {
 impl<S, B, RB, Bu> Service<Request<B>> for RetryService<S, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
+    S::Error: Into<BoxError>,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
     B::Error: Into<BoxError>,
     Bu: Budget + 'static,
@@ -125,7 +129,19 @@ where
     type Future = ResponseFuture<S, B, RB, Bu>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+        // NOTE: a call's deadline is only known from its request, so a caller
+        // is never held here: an inner service that is not ready yet is waited
+        // for inside the call, under the call's deadline and the per-attempt
+        // timeout. Polling it here still lets a ready one take the first
+        // attempt at once, and reports a failed one.
+        if !self.ready {
+            match self.inner.poll_ready(cx) {
+                Poll::Ready(Ok(())) => self.ready = true,
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Pending => {}
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
@@ -139,29 +155,87 @@ where
         };
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
 
-        if policy.idempotency_key {
-            // A key the caller set is kept; one lookup either way.
-            parts
-                .headers
-                .entry(IDEMPOTENCY_KEY)
-                .or_insert_with(new_idempotency_key);
+        match parts.headers.entry(IDEMPOTENCY_KEY) {
+            // An empty key is no key: unrelated calls would share one dedup slot.
+            Entry::Occupied(mut key) if key.get().is_empty() => {
+                key.insert(new_idempotency_key());
+            }
+            Entry::Occupied(_) => {}
+            Entry::Vacant(slot) => {
+                if policy.idempotency_key {
+                    slot.insert(new_idempotency_key());
+                }
+            }
         }
-        let req = Request::from_parts(parts, ReplayBody::new(body, policy.replay_limit));
+        // A6: the first attempt carries no attempt count, whatever the caller set.
+        parts.headers.remove(PREVIOUS_ATTEMPTS);
+        let tried = callers_mark(&mut parts);
+        let picked = policy
+            .instance_header
+            .is_some()
+            .then(PickedInstance::default);
 
-        // NOTE: `poll_ready` readied `self.inner`; that instance must make the
-        // first attempt, so it goes to the call and a fresh clone stays here.
+        let body = if policy.max_attempts > 1 {
+            ReplayBody::new(body, policy.replay_limit)
+        } else {
+            ReplayBody::unreplayable(body)
+        };
+        let req = Request::from_parts(parts, body);
+
+        // NOTE: the instance `poll_ready` polled (ready, or on its way to it)
+        // makes the first attempt, so it goes to the call and a fresh clone
+        // stays here.
         let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        let attempt = Attempt::new(inner, deadline, policy.attempt_timeout);
-        let call = CallPolicy::new(Arc::clone(&self.shared), deadline);
+        let first = std::mem::replace(&mut self.inner, clone);
+        let ready = std::mem::take(&mut self.ready);
+        let limits = Limits {
+            deadline,
+            attempt_timeout: policy.attempt_timeout,
+        };
+        let attempt = Attempt::new(
+            first,
+            ready,
+            Arc::clone(&self.shared),
+            limits,
+            picked.clone(),
+        );
+        let call = CallPolicy::new(Arc::clone(&self.shared), deadline, tried, picked);
         ResponseFuture::new(Retry::new(call, attempt).call(req))
     }
+}
+
+/// The already-tried mark the caller set (header, extension or both), merged
+/// and bounded; the first attempt carries it both ways.
+fn callers_mark(parts: &mut Parts) -> AlreadyTried {
+    let in_extensions = parts.extensions.get::<AlreadyTried>();
+    if in_extensions.is_none() && !parts.headers.contains_key(ALREADY_TRIED) {
+        return AlreadyTried::default();
+    }
+    let mut tried = AlreadyTried::default();
+    if let Some(mark) = in_extensions {
+        tried.merge(mark);
+    }
+    for value in parts.headers.get_all(ALREADY_TRIED) {
+        tried.merge_header(value);
+    }
+    match tried.to_header().filter(|_| !tried.is_empty()) {
+        Some(value) => {
+            parts.headers.insert(ALREADY_TRIED, value);
+            parts.extensions.insert(tried.clone());
+        }
+        None => {
+            parts.headers.remove(ALREADY_TRIED);
+            parts.extensions.remove::<AlreadyTried>();
+        }
+    }
+    tried
 }
 
 impl<S: fmt::Debug, Bu: fmt::Debug> fmt::Debug for RetryService<S, Bu> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryService")
             .field("inner", &self.inner)
+            .field("ready", &self.ready)
             .field("policy", &self.shared.policy)
             .field("budget", &self.shared.budget)
             .finish()

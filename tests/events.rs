@@ -65,7 +65,8 @@ async fn every_attempt_emits_one_event_with_its_numbers() {
     assert_eq!(get(attempts[0], "code").as_deref(), Some("UNAVAILABLE"));
     assert!(get(attempts[0], "delay").is_some(), "the retry's delay");
     assert!(get(attempts[0], "remaining").is_some(), "the time left");
-    assert_eq!(get(attempts[0], "tokens").as_deref(), Some("99.0"));
+    // The token is taken when the retry is sent, after this event.
+    assert_eq!(get(attempts[0], "tokens").as_deref(), Some("100.0"));
     assert_eq!(get(attempts[0], "instance").as_deref(), Some("instance-a"));
     let key = get(attempts[0], "key").expect("the call's idempotency key");
     assert_eq!(key.len(), 32);
@@ -76,4 +77,6 @@ async fn every_attempt_emits_one_event_with_its_numbers() {
     );
     assert_eq!(get(attempts[1], "attempt").as_deref(), Some("2"));
     assert_eq!(get(attempts[1], "code").as_deref(), Some("OK"));
+    // One token paid for the retry, a tenth earned by the success.
+    assert_eq!(get(attempts[1], "tokens").as_deref(), Some("99.1"));
 }

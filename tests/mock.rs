@@ -621,13 +621,19 @@ async fn dropping_the_call_during_backoff_sends_nothing_more() {
     send.send_response(status(Code::Unavailable));
     // Let the layer decide to retry and start its backoff.
     tokio::time::sleep(5 * MS).await;
-    assert_eq!(layer.metrics().retries(), 1);
     call.abort();
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(
         handle.next_request().now_or_never().is_none(),
         "a retry was sent after the drop"
     );
+    // SPEC §4a: the token pays for an attempt really sent; none was.
+    assert_eq!(
+        layer.metrics().retries(),
+        0,
+        "a retry never sent was counted"
+    );
+    assert_eq!(layer.budget().available(), 100.0, "a token was lost");
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,0 +1,502 @@
+//! One call's retry decisions: the per-call [`Policy`] that tower's `Retry`
+//! drives, and the backoff future it returns.
+//!
+//! After every attempt, [`CallPolicy::retry`] reads the outcome and decides:
+//! classify (is this retryable at all?), then the attempts left, then the
+//! deadline's room for the backoff and another attempt, then the budget. The
+//! token itself is taken when the retry is sent (in the attempt), so that only
+//! attempts really sent are paid for.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tonic::Code;
+use tower::retry::Policy;
+use tower::retry::budget::Budget;
+
+use crate::attempt::Failure;
+use crate::body::ResponseBody;
+use crate::budget;
+use crate::classify::{
+    Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
+};
+use crate::marks::{
+    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, PickedInstance,
+};
+use crate::metrics::Event;
+use crate::replay::ReplayBody;
+use crate::shared::Shared;
+use crate::status::{code_name, status_response};
+
+/// One call's policy, cloned by `Retry` into the call's future: what every
+/// call shares, and this call's own state.
+pub(crate) struct CallPolicy<Bu> {
+    shared: Arc<Shared<Bu>>,
+    /// The slot a balancer below reports each attempt's instance in.
+    picked: Option<PickedInstance>,
+    state: CallState,
+}
+
+#[derive(Clone, Debug)]
+struct CallState {
+    deadline: Option<Instant>,
+    /// Attempts made so far, the current one included, sent or not.
+    made: u32,
+    /// Attempts that reached the inner service.
+    sent: u32,
+    /// Retries since the last server-given delay (A6: a pushback restarts the
+    /// exponential backoff).
+    backoff_step: u32,
+    tried: AlreadyTried,
+    /// How the last failed attempt ended: what the caller gets if the retry
+    /// after it cannot be sent.
+    last: Last,
+}
+
+#[derive(Clone, Debug, Default)]
+enum Last {
+    #[default]
+    None,
+    /// A response, kept as the server sent it (headers only: it was a
+    /// Trailers-Only status or an HTTP error).
+    Response {
+        status: StatusCode,
+        headers: HeaderMap,
+    },
+    /// A status the layer read from an attempt without a response.
+    Status { code: Code, message: String },
+}
+
+// Not derived: the budget itself need not be `Clone`, it is shared.
+impl<Bu> Clone for CallPolicy<Bu> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+            picked: self.picked.clone(),
+            state: self.state.clone(),
+        }
+    }
+}
+
+impl<Bu> CallPolicy<Bu> {
+    /// The policy of a call with `deadline`, whose caller already marked
+    /// `tried` as tried.
+    pub(crate) fn new(
+        shared: Arc<Shared<Bu>>,
+        deadline: Option<Instant>,
+        tried: AlreadyTried,
+        picked: Option<PickedInstance>,
+    ) -> Self {
+        Self {
+            shared,
+            picked,
+            state: CallState {
+                deadline,
+                made: 1,
+                sent: 0,
+                backoff_step: 0,
+                tried,
+                last: Last::None,
+            },
+        }
+    }
+}
+
+/// What to do after one attempt.
+#[derive(Clone, Copy, Debug)]
+enum Decision {
+    /// Hand the outcome to the caller.
+    Done(&'static str),
+    /// Retryable, but the deadline has no room for `delay` and another attempt.
+    NoTime { left: Duration, delay: Duration },
+    /// Retryable, but the budget has no token.
+    NoBudget { delay: Duration },
+    /// Send another attempt after `delay`.
+    Retry { delay: Duration },
+}
+
+impl Decision {
+    fn describe(self) -> &'static str {
+        match self {
+            Decision::Done(why) => why,
+            Decision::NoTime { .. } => "no time left for another attempt",
+            Decision::NoBudget { .. } => "retry budget exhausted",
+            Decision::Retry { .. } => "retrying",
+        }
+    }
+
+    fn delay(self) -> Option<Duration> {
+        match self {
+            Decision::Done(_) => None,
+            Decision::NoTime { delay, .. }
+            | Decision::NoBudget { delay }
+            | Decision::Retry { delay } => Some(delay),
+        }
+    }
+}
+
+impl CallState {
+    /// Time left before the deadline, if the call has one. The clock is read
+    /// only then.
+    fn remaining(&self) -> Option<Duration> {
+        self.deadline
+            .map(|d| d.saturating_duration_since(Instant::now()))
+    }
+
+    /// Classify, then attempts, then deadline, then budget.
+    fn decide<Bu: Budget + 'static>(
+        &mut self,
+        shared: &Shared<Bu>,
+        verdict: Verdict,
+        instance: Option<&HeaderValue>,
+        replayable: bool,
+        remaining: Option<Duration>,
+    ) -> Decision {
+        let Shared { policy, budget, .. } = shared;
+        if verdict.is_success() {
+            Budget::deposit(budget);
+            return Decision::Done("succeeded");
+        }
+        let Verdict::Retryable { server_delay, .. } = verdict else {
+            return Decision::Done("not retryable");
+        };
+        if let Some(id) = instance {
+            self.tried.record(id);
+        }
+        if self.made >= policy.max_attempts {
+            return Decision::Done("no attempts left");
+        }
+        if !replayable {
+            return Decision::Done("request body cannot be replayed");
+        }
+        let delay = match server_delay {
+            Some(delay) if delay > policy.max_server_delay => {
+                return Decision::Done("the server asked for a longer delay than the layer waits");
+            }
+            Some(delay) => {
+                self.backoff_step = 0;
+                delay
+            }
+            None => {
+                self.backoff_step += 1;
+                policy.delay_before(self.backoff_step)
+            }
+        };
+        if let Some(left) = remaining
+            && left <= delay.saturating_add(policy.min_attempt_budget)
+        {
+            return Decision::NoTime { left, delay };
+        }
+        // The token itself is taken when the retry is sent; a budget that is
+        // known to be empty refuses now rather than after the backoff.
+        if budget::is_known_empty(budget) {
+            return Decision::NoBudget { delay };
+        }
+        Decision::Retry { delay }
+    }
+
+    /// Keeps what the failed attempt ended with, for when the retry after it
+    /// cannot be sent. The response is about to be dropped, so its headers
+    /// are moved, not copied.
+    fn remember<RB>(&mut self, result: &mut Result<Response<ResponseBody<RB>>, Failure>) {
+        self.last = match result {
+            Ok(response) => Last::Response {
+                status: response.status(),
+                headers: std::mem::take(response.headers_mut()),
+            },
+            Err(Failure::Transport(error)) => Last::Status {
+                code: Code::Unavailable,
+                message: no_response_message(self.made, &describe(&**error)),
+            },
+            Err(Failure::Cut { why, .. }) => Last::Status {
+                code: Code::DeadlineExceeded,
+                message: why.message(),
+            },
+            Err(Failure::NotReady(_) | Failure::NoBudget) => Last::None,
+        };
+    }
+
+    /// The last failed attempt's status, as the caller gets it when the retry
+    /// after it could not be sent.
+    fn last_status<RB>(&mut self) -> Response<ResponseBody<RB>> {
+        match std::mem::take(&mut self.last) {
+            Last::Response {
+                status,
+                mut headers,
+            } => {
+                repair_status_details(&mut headers);
+                let mut response = Response::new(ResponseBody::empty());
+                *response.status_mut() = status;
+                *response.headers_mut() = headers;
+                response
+            }
+            Last::Status { code, message } => status_response(code, message),
+            Last::None => status_response(Code::Unavailable, "no attempt could be sent"),
+        }
+    }
+
+    /// The name of the last failed attempt's code, for messages.
+    fn last_code(&self) -> &'static str {
+        match &self.last {
+            Last::Response { status, headers } => {
+                code_name(classify_response(*status, headers, Default::default()).code())
+            }
+            Last::Status { code, .. } => code_name(*code),
+            Last::None => "-",
+        }
+    }
+}
+
+/// The message of the `UNAVAILABLE` a caller gets when the last attempt got
+/// no response at all.
+fn no_response_message(made: u32, error: &str) -> String {
+    if made == 1 {
+        format!("no response from the server: {error}")
+    } else {
+        format!("no response from the server to attempt {made} of the call: {error}")
+    }
+}
+
+/// `grpc-previous-rpc-attempts` for the attempt after `sent` attempts;
+/// attempts are capped at five, so the common values need no allocation.
+fn previous_attempts(sent: u32) -> HeaderValue {
+    match sent {
+        1 => HeaderValue::from_static("1"),
+        2 => HeaderValue::from_static("2"),
+        3 => HeaderValue::from_static("3"),
+        4 => HeaderValue::from_static("4"),
+        n => HeaderValue::from(n),
+    }
+}
+
+impl<B, RB, Bu> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, Failure>
+    for CallPolicy<Bu>
+where
+    Bu: Budget + 'static,
+{
+    type Future = Backoff;
+
+    fn retry(
+        &mut self,
+        req: &mut Request<ReplayBody<B>>,
+        result: &mut Result<Response<ResponseBody<RB>>, Failure>,
+    ) -> Option<Backoff> {
+        let shared = &*self.shared;
+        let Shared {
+            policy,
+            budget,
+            metrics,
+        } = shared;
+        let state = &mut self.state;
+        let picked = self.picked.as_ref().and_then(PickedInstance::take);
+        let key = req
+            .headers()
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-");
+
+        // A retry that could not be sent ends the call with what the attempt
+        // before it ended with: no token was taken for it.
+        match result {
+            Err(Failure::NotReady(error)) => {
+                tracing::debug!(
+                    attempt = state.made,
+                    key,
+                    error = %describe(&**error),
+                    "the inner service failed while the retry waited for it; ending with the last status"
+                );
+                *result = Ok(state.last_status());
+                req.body().release();
+                return None;
+            }
+            Err(Failure::NoBudget) => {
+                metrics.record(Event::RefusedByBudget);
+                tracing::debug!(attempt = state.made, key, "retry budget exhausted");
+                let message = format!(
+                    "retry budget exhausted; attempt {} ended with {}",
+                    state.made - 1,
+                    state.last_code()
+                );
+                *result = Ok(status_response(Code::ResourceExhausted, message));
+                req.body().release();
+                return None;
+            }
+            _ => {}
+        }
+
+        let sent = !matches!(result, Err(Failure::Cut { sent: false, .. }));
+        if sent {
+            state.sent += 1;
+            metrics.record(Event::Attempt);
+        }
+        let remaining = state.remaining();
+        // Borrowed, not cloned: most responses are successes, and the id is
+        // only kept (in the tried set) when the attempt failed.
+        let (verdict, instance) = match &*result {
+            Ok(response) => (
+                classify_response(response.status(), response.headers(), policy.retryable),
+                policy
+                    .instance_header
+                    .as_ref()
+                    .and_then(|h| response.headers().get(h))
+                    .or(picked.as_ref()),
+            ),
+            Err(Failure::Transport(_)) => (classify_error(policy.retryable), picked.as_ref()),
+            Err(_) => (
+                classify_timeout(policy.retryable),
+                picked.as_ref().filter(|_| sent),
+            ),
+        };
+        let decision = state.decide(
+            shared,
+            verdict,
+            instance,
+            req.body().is_replayable(),
+            remaining,
+        );
+        let attempt = state.made;
+        let name = code_name(verdict.code());
+        tracing::debug!(
+            attempt,
+            code = name,
+            instance = instance.and_then(|v| v.to_str().ok()).unwrap_or("-"),
+            key,
+            delay = ?decision.delay(),
+            remaining = ?remaining,
+            tokens = budget::balance(budget).unwrap_or(f64::NAN),
+            "{}",
+            decision.describe()
+        );
+
+        match decision {
+            Decision::Done(_) => {
+                finish(result, attempt);
+                req.body().release();
+                None
+            }
+            Decision::NoTime { left, .. } => {
+                metrics.record(Event::RefusedByDeadline);
+                let message = if left.is_zero() {
+                    format!("call deadline exceeded; attempt {attempt} ended with {name}")
+                } else {
+                    format!(
+                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
+                    )
+                };
+                *result = Ok(status_response(Code::DeadlineExceeded, message));
+                req.body().release();
+                None
+            }
+            Decision::NoBudget { .. } => {
+                metrics.record(Event::RefusedByBudget);
+                *result = Ok(status_response(
+                    Code::ResourceExhausted,
+                    format!("retry budget exhausted; attempt {attempt} ended with {name}"),
+                ));
+                req.body().release();
+                None
+            }
+            Decision::Retry { delay } => {
+                state.remember(result);
+                let headers = req.headers_mut();
+                if state.sent > 0 {
+                    headers.insert(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));
+                }
+                if !state.tried.is_empty() {
+                    if let Some(value) = state.tried.to_header() {
+                        headers.insert(ALREADY_TRIED, value);
+                    }
+                    req.extensions_mut().insert(state.tried.clone());
+                }
+                state.made += 1;
+                if state.made >= policy.max_attempts {
+                    // After this attempt no retry can follow: once it has
+                    // replayed the body, the copy goes.
+                    req.body_mut().mark_last();
+                }
+                Some(Backoff::new(delay))
+            }
+        }
+    }
+
+    fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
+        // Always a clone, even of a body that can no longer be replayed: `Retry`
+        // only shows `retry` the outcomes of requests it holds a clone of, and
+        // every outcome must pass `retry` for the budget and the final touches.
+        let mut clone = Request::new(req.body().clone());
+        *clone.method_mut() = req.method().clone();
+        *clone.uri_mut() = req.uri().clone();
+        *clone.version_mut() = req.version();
+        *clone.headers_mut() = req.headers().clone();
+        *clone.extensions_mut() = req.extensions().clone();
+        Some(clone)
+    }
+}
+
+/// Last touches on an outcome handed to the caller as it is.
+fn finish<RB>(result: &mut Result<Response<ResponseBody<RB>>, Failure>, attempt: u32) {
+    match result {
+        Ok(response) => {
+            repair_status_details(response.headers_mut());
+        }
+        Err(failure) => *result = Ok(failure_response(failure, attempt)),
+    }
+}
+
+/// The status a caller gets for an attempt that ended without a response.
+pub(crate) fn failure_response<RB>(failure: &Failure, attempt: u32) -> Response<ResponseBody<RB>> {
+    match failure {
+        // gRPC reports a call whose attempts found no server as UNAVAILABLE,
+        // never as tonic's raw transport error (UNKNOWN).
+        Failure::Transport(error) | Failure::NotReady(error) => status_response(
+            Code::Unavailable,
+            no_response_message(attempt, &describe(&**error)),
+        ),
+        // The caller cancelled nothing: a limit ran out.
+        Failure::Cut { why, .. } => status_response(Code::DeadlineExceeded, why.message()),
+        Failure::NoBudget => status_response(Code::ResourceExhausted, "retry budget exhausted"),
+    }
+}
+
+impl<Bu> std::fmt::Debug for CallPolicy<Bu> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallPolicy")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+pin_project! {
+    /// The wait before a retry. No delay means no timer: a zero-length `Sleep`
+    /// would still wait for the timer's next tick, about a millisecond.
+    #[derive(Debug)]
+    pub(crate) struct Backoff {
+        #[pin]
+        sleep: Option<Sleep>,
+    }
+}
+
+impl Backoff {
+    fn new(delay: Duration) -> Self {
+        Self {
+            sleep: (!delay.is_zero()).then(|| tokio::time::sleep(delay)),
+        }
+    }
+}
+
+impl Future for Backoff {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        match self.project().sleep.as_pin_mut() {
+            Some(sleep) => sleep.poll(cx),
+            None => Poll::Ready(()),
+        }
+    }
+}
