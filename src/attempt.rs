@@ -33,7 +33,6 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::classify::{is_timeout, status_in};
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_by};
-use crate::marks::PickedInstance;
 use crate::metrics::Event;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
@@ -118,27 +117,23 @@ pub(crate) struct Attempt<S, B, Bu> {
     ready: bool,
     shared: Arc<Shared<Bu>>,
     limits: Limits,
-    picked: Option<PickedInstance>,
+    /// Whether to ask a balancer below to report each attempt's instance.
+    report: bool,
     _body: PhantomData<fn(B)>,
 }
 
 impl<S, B, Bu> Attempt<S, B, Bu> {
     /// The attempts of one call, the first through `first`, which the
     /// caller's `poll_ready` made ready if `ready`.
-    pub(crate) fn new(
-        first: S,
-        ready: bool,
-        shared: Arc<Shared<Bu>>,
-        limits: Limits,
-        picked: Option<PickedInstance>,
-    ) -> Self {
+    pub(crate) fn new(first: S, ready: bool, shared: Arc<Shared<Bu>>, limits: Limits) -> Self {
+        let report = shared.policy.instance_header.is_some();
         Self {
             inner: first,
             first: true,
             ready,
             shared,
             limits,
-            picked,
+            report,
             _body: PhantomData,
         }
     }
@@ -154,7 +149,7 @@ impl<S: Clone, B, Bu> Clone for Attempt<S, B, Bu> {
             ready: false,
             shared: Arc::clone(&self.shared),
             limits: self.limits,
-            picked: self.picked.clone(),
+            report: self.report,
             _body: PhantomData,
         }
     }
@@ -164,7 +159,7 @@ impl<S, B, RB, Bu> Service<Request<ReplayBody<B>>> for Attempt<S, B, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
-    B: From<ReplayBody<B>>,
+    B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
 {
     type Response = Response<ResponseBody<RB>>;
@@ -182,8 +177,9 @@ where
     fn call(&mut self, mut req: Request<ReplayBody<B>>) -> Self::Future {
         // NOTE: tower's `Retry` has already cloned the request it keeps for the
         // next retry, so the report slot goes with this attempt only.
-        if let Some(picked) = &self.picked {
-            req.extensions_mut().insert(picked.clone());
+        if self.report {
+            let picked = req.body().picked_instance();
+            req.extensions_mut().insert(picked);
         }
         let cut = self.limits.cut_from_now();
         let deadline = self.limits.deadline;
@@ -210,8 +206,7 @@ where
             self.inner.clone()
         };
         let state = State::Readying {
-            service,
-            request: Some(req),
+            waiting: Box::new((service, Some(req))),
         };
         let retry = (!first).then(|| Arc::clone(&self.shared));
         AttemptFuture::new(state, cut, deadline, retry)
@@ -241,10 +236,10 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<S, R, F> {
-        /// Waiting for the inner service to be ready.
+        /// Waiting for the inner service to be ready. Boxed: most first
+        /// attempts never wait, and the future is moved before it is polled.
         Readying {
-            service: S,
-            request: Option<R>,
+            waiting: Box<(S, Option<R>)>,
         },
         /// Sent: the inner service's future.
         Called {
@@ -309,7 +304,8 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Readying { service, request } => {
+                StateProj::Readying { waiting } => {
+                    let (service, request) = &mut **waiting;
                     let failure = match service.poll_ready(cx) {
                         Poll::Ready(Ok(())) => {
                             let Some(mut req) = request.take() else {
@@ -410,12 +406,15 @@ fn outcome<RB, E: Into<BoxError>>(
     match result {
         Ok(response) => {
             // A tonic server answers CANCELLED when the `grpc-timeout` we sent
-            // runs out; the caller cancelled nothing, the attempt's time ran out.
-            let cancelled = response
-                .headers()
-                .get(GRPC_STATUS)
-                .is_some_and(|v| v.as_bytes() == b"1");
-            if cancelled && let Some((_, why)) = expired(cut) {
+            // runs out; the caller cancelled nothing, the attempt's time ran
+            // out. (Only an attempt with a limit sent a `grpc-timeout`.)
+            if cut.is_some()
+                && response
+                    .headers()
+                    .get(GRPC_STATUS)
+                    .is_some_and(|v| v.as_bytes() == b"1")
+                && let Some((_, why)) = expired(cut)
+            {
                 return Err(Failure::Cut { why, sent: true });
             }
             Ok(response.map(|body| ResponseBody::new(body, deadline)))

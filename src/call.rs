@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tonic::Code;
@@ -26,9 +26,7 @@ use crate::budget;
 use crate::classify::{
     Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
 };
-use crate::marks::{
-    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, PickedInstance,
-};
+use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
 use crate::metrics::Event;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
@@ -38,8 +36,6 @@ use crate::status::{code_name, status_response};
 /// call shares, and this call's own state.
 pub(crate) struct CallPolicy<Bu> {
     shared: Arc<Shared<Bu>>,
-    /// The slot a balancer below reports each attempt's instance in.
-    picked: Option<PickedInstance>,
     state: CallState,
 }
 
@@ -55,14 +51,12 @@ struct CallState {
     backoff_step: u32,
     tried: AlreadyTried,
     /// How the last failed attempt ended: what the caller gets if the retry
-    /// after it cannot be sent.
-    last: Last,
+    /// after it cannot be sent. Boxed: only a call that retries pays for it.
+    last: Option<Box<Last>>,
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 enum Last {
-    #[default]
-    None,
     /// A response, kept as the server sent it (headers only: it was a
     /// Trailers-Only status or an HTTP error).
     Response {
@@ -78,7 +72,6 @@ impl<Bu> Clone for CallPolicy<Bu> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
-            picked: self.picked.clone(),
             state: self.state.clone(),
         }
     }
@@ -91,18 +84,16 @@ impl<Bu> CallPolicy<Bu> {
         shared: Arc<Shared<Bu>>,
         deadline: Option<Instant>,
         tried: AlreadyTried,
-        picked: Option<PickedInstance>,
     ) -> Self {
         Self {
             shared,
-            picked,
             state: CallState {
                 deadline,
                 made: 1,
                 sent: 0,
                 backoff_step: 0,
                 tried,
-                last: Last::None,
+                last: None,
             },
         }
     }
@@ -205,7 +196,7 @@ impl CallState {
     /// cannot be sent. The response is about to be dropped, so its headers
     /// are moved, not copied.
     fn remember<RB>(&mut self, result: &mut Result<Response<ResponseBody<RB>>, Failure>) {
-        self.last = match result {
+        let last = match result {
             Ok(response) => Last::Response {
                 status: response.status(),
                 headers: std::mem::take(response.headers_mut()),
@@ -218,14 +209,18 @@ impl CallState {
                 code: Code::DeadlineExceeded,
                 message: why.message(),
             },
-            Err(Failure::NotReady(_) | Failure::NoBudget) => Last::None,
+            Err(Failure::NotReady(_) | Failure::NoBudget) => return,
         };
+        self.last = Some(Box::new(last));
     }
 
     /// The last failed attempt's status, as the caller gets it when the retry
     /// after it could not be sent.
     fn last_status<RB>(&mut self) -> Response<ResponseBody<RB>> {
-        match std::mem::take(&mut self.last) {
+        let Some(last) = self.last.take() else {
+            return status_response(Code::Unavailable, "no attempt could be sent");
+        };
+        match *last {
             Last::Response {
                 status,
                 mut headers,
@@ -237,18 +232,17 @@ impl CallState {
                 response
             }
             Last::Status { code, message } => status_response(code, message),
-            Last::None => status_response(Code::Unavailable, "no attempt could be sent"),
         }
     }
 
     /// The name of the last failed attempt's code, for messages.
     fn last_code(&self) -> &'static str {
-        match &self.last {
-            Last::Response { status, headers } => {
+        match self.last.as_deref() {
+            Some(Last::Response { status, headers }) => {
                 code_name(classify_response(*status, headers, Default::default()).code())
             }
-            Last::Status { code, .. } => code_name(*code),
-            Last::None => "-",
+            Some(Last::Status { code, .. }) => code_name(*code),
+            None => "-",
         }
     }
 }
@@ -260,6 +254,20 @@ fn no_response_message(made: u32, error: &str) -> String {
         format!("no response from the server: {error}")
     } else {
         format!("no response from the server to attempt {made} of the call: {error}")
+    }
+}
+
+/// The instance an attempt went to: the response's own report, else the
+/// balancer's; none for an attempt that was never sent.
+fn instance<'a, RB>(
+    result: &'a Result<Response<ResponseBody<RB>>, Failure>,
+    header: Option<&HeaderName>,
+    picked: Option<&'a HeaderValue>,
+) -> Option<&'a HeaderValue> {
+    match result {
+        Ok(response) => header.and_then(|h| response.headers().get(h)).or(picked),
+        Err(Failure::Cut { sent: false, .. }) => None,
+        Err(_) => picked,
     }
 }
 
@@ -294,12 +302,15 @@ where
             metrics,
         } = shared;
         let state = &mut self.state;
-        let picked = self.picked.as_ref().and_then(PickedInstance::take);
-        let key = req
-            .headers()
-            .get(IDEMPOTENCY_KEY)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("-");
+        // Read only where an event is recorded: a lookup of a custom header
+        // name hashes it byte by byte.
+        let key = |req: &Request<ReplayBody<B>>| {
+            req.headers()
+                .get(IDEMPOTENCY_KEY)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+                .unwrap_or_default()
+        };
 
         // A retry that could not be sent ends the call with what the attempt
         // before it ended with: no token was taken for it.
@@ -307,7 +318,7 @@ where
             Err(Failure::NotReady(error)) => {
                 tracing::debug!(
                     attempt = state.made,
-                    key,
+                    key = key(req),
                     error = %describe(&**error),
                     "the inner service failed while the retry waited for it; ending with the last status"
                 );
@@ -317,7 +328,11 @@ where
             }
             Err(Failure::NoBudget) => {
                 metrics.record(Event::RefusedByBudget);
-                tracing::debug!(attempt = state.made, key, "retry budget exhausted");
+                tracing::debug!(
+                    attempt = state.made,
+                    key = key(req),
+                    "retry budget exhausted"
+                );
                 let message = format!(
                     "retry budget exhausted; attempt {} ended with {}",
                     state.made - 1,
@@ -336,27 +351,32 @@ where
             metrics.record(Event::Attempt);
         }
         let remaining = state.remaining();
-        // Borrowed, not cloned: most responses are successes, and the id is
-        // only kept (in the tried set) when the attempt failed.
-        let (verdict, instance) = match &*result {
-            Ok(response) => (
-                classify_response(response.status(), response.headers(), policy.retryable),
-                policy
-                    .instance_header
-                    .as_ref()
-                    .and_then(|h| response.headers().get(h))
-                    .or(picked.as_ref()),
-            ),
-            Err(Failure::Transport(_)) => (classify_error(policy.retryable), picked.as_ref()),
-            Err(_) => (
-                classify_timeout(policy.retryable),
-                picked.as_ref().filter(|_| sent),
-            ),
+        let verdict = match &*result {
+            Ok(response) => {
+                classify_response(response.status(), response.headers(), policy.retryable)
+            }
+            Err(Failure::Transport(_)) => classify_error(policy.retryable),
+            Err(_) => classify_timeout(policy.retryable),
+        };
+        // The instance the attempt went to: the response's own report, else
+        // the balancer's. Borrowed, not cloned, and only looked up when it is
+        // kept (a failure to retry) or shown.
+        let header = policy.instance_header.as_ref();
+        // What a balancer below reported for this attempt; read for failures
+        // only (a success needs no instance), which also clears the slot for
+        // the next attempt.
+        let picked = match verdict {
+            _ if header.is_none() || verdict.is_success() => None,
+            _ => req.body().take_picked(),
+        };
+        let failed_instance = match verdict {
+            Verdict::Retryable { .. } => instance(result, header, picked.as_ref()),
+            _ => None,
         };
         let decision = state.decide(
             shared,
             verdict,
-            instance,
+            failed_instance,
             req.body().is_replayable(),
             remaining,
         );
@@ -365,8 +385,10 @@ where
         tracing::debug!(
             attempt,
             code = name,
-            instance = instance.and_then(|v| v.to_str().ok()).unwrap_or("-"),
-            key,
+            instance = instance(result, header, picked.as_ref())
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-"),
+            key = key(req),
             delay = ?decision.delay(),
             remaining = ?remaining,
             tokens = budget::balance(budget).unwrap_or(f64::NAN),
@@ -376,7 +398,9 @@ where
 
         match decision {
             Decision::Done(_) => {
-                finish(result, attempt);
+                if verdict != Verdict::Committed {
+                    finish(result, attempt);
+                }
                 req.body().release();
                 None
             }
@@ -439,7 +463,8 @@ where
     }
 }
 
-/// Last touches on an outcome handed to the caller as it is.
+/// Last touches on an outcome handed to the caller as it is (a committed
+/// response needs none: its status comes in trailers, repaired by its body).
 fn finish<RB>(result: &mut Result<Response<ResponseBody<RB>>, Failure>, attempt: u32) {
     match result {
         Ok(response) => {

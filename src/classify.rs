@@ -17,7 +17,7 @@ use base64::alphabet;
 use base64::engine::DecodePaddingMode;
 use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig};
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, HeaderValue, StatusCode};
 use prost::Message as _;
 use tonic::Code;
 
@@ -73,7 +73,19 @@ pub(crate) fn classify_response(
     headers: &HeaderMap,
     retryable: RetryableCodes,
 ) -> Verdict {
-    let code = match headers.get(GRPC_STATUS) {
+    // One pass finds both headers the common case needs: custom header names
+    // are hashed byte by byte, so two lookups would cost more than the scan
+    // of a response's few headers.
+    let mut grpc_status = None;
+    let mut content_type = None;
+    for (name, value) in headers {
+        if name == GRPC_STATUS {
+            grpc_status = grpc_status.or(Some(value));
+        } else if name == CONTENT_TYPE {
+            content_type = content_type.or(Some(value));
+        }
+    }
+    let code = match grpc_status {
         // `Code::from_bytes` is what tonic's client reads the header with: only
         // the canonical forms (`14`, never `014`, `+14` or ` 14`) are codes;
         // anything else is UNKNOWN, which is final whatever the retryable set
@@ -82,7 +94,7 @@ pub(crate) fn classify_response(
             Code::Unknown => return Verdict::Final(Code::Unknown),
             code => code,
         },
-        None if status == StatusCode::OK && is_grpc(headers) => return Verdict::Committed,
+        None if status == StatusCode::OK && is_grpc(content_type) => return Verdict::Committed,
         // A 200 that is not gRPC (a proxy's HTML page) is no answer of the
         // server's: gRPC reads it as UNKNOWN.
         None if status == StatusCode::OK => return Verdict::Final(Code::Unknown),
@@ -150,9 +162,9 @@ pub(crate) fn classify_timeout(retryable: RetryableCodes) -> Verdict {
 
 /// Whether the response says it is gRPC: `application/grpc`, alone or
 /// followed by `+` (a subtype) or `;` (parameters), as gRPC clients check it.
-fn is_grpc(headers: &HeaderMap) -> bool {
+fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
     const GRPC: &[u8] = b"application/grpc";
-    headers.get(CONTENT_TYPE).is_some_and(|value| {
+    content_type.is_some_and(|value| {
         let value = value.as_bytes();
         value.starts_with(GRPC) && matches!(value.get(GRPC.len()), None | Some(b'+' | b';'))
     })

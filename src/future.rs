@@ -31,6 +31,8 @@ pin_project! {
         S: Clone,
         S::Error: Into<BoxError>,
         B: From<ReplayBody<B>>,
+        B: Send,
+        B: 'static,
         Bu: Budget,
         Bu: 'static,
     {
@@ -44,7 +46,7 @@ impl<S, B, RB, Bu> ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
-    B: From<ReplayBody<B>>,
+    B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget + 'static,
 {
     pub(crate) fn new(inner: Retrying<S, B, Bu>) -> Self {
@@ -59,7 +61,7 @@ impl<S, B, RB, Bu> Future for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
-    B: From<ReplayBody<B>>,
+    B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget + 'static,
 {
     type Output = Result<Response<ResponseBody<RB>>, S::Error>;
@@ -78,7 +80,7 @@ impl<S, B, RB, Bu> std::fmt::Debug for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
-    B: From<ReplayBody<B>>,
+    B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget + 'static,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

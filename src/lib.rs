@@ -18,10 +18,12 @@
 //! * **One deadline for the whole call**, from the request's `grpc-timeout`
 //!   (tonic's `Request::set_timeout`) or [`RetryPolicy::with_total_timeout`].
 //!   Every attempt is sent with `grpc-timeout` rewritten to the time left, and
-//!   cut when it runs out; backoff sleeps are charged to it too. No retry is
-//!   sent without room for its backoff plus a minimum attempt (20 ms).
+//!   cut when it runs out; backoff sleeps, server-given delays, waiting for the
+//!   service below to be ready and a committed response's body are all
+//!   charged to it too. No retry is sent without room for its backoff plus a
+//!   minimum attempt (20 ms).
 //! * **A retry budget**: a lock-free token account; successes deposit a
-//!   fraction of a token, each retry costs one. With the reference setting
+//!   fraction of a token, each retry really sent costs one. With the reference setting
 //!   (`RetryBudget::new(200, 0.1)`) retries stay near 10 % of traffic once the
 //!   saved balance is spent, however hard a dependency fails.
 //! * **The same idempotency key** (`x-idempotency-key`) on every attempt, so a
@@ -30,11 +32,14 @@
 //!   `grpc-previous-rpc-attempts: n` and names the instances that already
 //!   failed this call (the [`x-already-tried`](ALREADY_TRIED) header and the
 //!   [`AlreadyTried`] request extension), so a balancer can send the retry
-//!   elsewhere.
+//!   elsewhere. A balancer reports each attempt's instance through the
+//!   [`PickedInstance`] request extension, so attempts that got no response
+//!   name theirs too.
 //! * **A replayable body** ([`ReplayBody`]): the first attempt streams as the
 //!   caller writes, while a zero-copy copy is kept (64 KiB by default) for
 //!   retries. A bigger body is sent whole and not retried; streaming calls
-//!   never wait for their body to end.
+//!   never wait for their body to end, and the copy is released as soon as no
+//!   retry is possible.
 //!
 //! # What is retried
 //!
@@ -42,7 +47,7 @@
 //! |---|---|
 //! | `UNAVAILABLE` | yes |
 //! | no response at all (connection refused or reset, stream refused) | yes, as `UNAVAILABLE` |
-//! | `DEADLINE_EXCEEDED` | while the call's deadline has room |
+//! | `DEADLINE_EXCEEDED`, or the attempt's time ran out (the layer's cut, the Channel's `grpc-timeout`, a server's `CANCELLED` for it) | while the call's deadline has room |
 //! | `RESOURCE_EXHAUSTED` | only with `google.rpc.RetryInfo`, after its `retry_delay` |
 //! | `ABORTED` | never: a conflict the caller must re-read and resolve |
 //! | `NOT_FOUND`, `INVALID_ARGUMENT`, `PERMISSION_DENIED`, `UNAUTHENTICATED`, `UNIMPLEMENTED`, `INTERNAL`, any other code, `OK` | never |
@@ -51,16 +56,30 @@
 //! Only *Trailers-Only* error responses (the status in the response headers,
 //! as tonic, grpc-go, grpc-java and grpcio servers send early errors) and HTTP
 //! errors are judged; HTTP statuses map as gRPC clients map them (429, 502,
-//! 503, 504 → `UNAVAILABLE`). The set is configurable
-//! ([`RetryPolicy::with_retryable_codes`]). Malformed metadata never panics and
-//! never makes a call retryable; a `grpc-status-details-bin` that is not valid
-//! base64 — which would make tonic's client panic — is removed before the
-//! caller sees it.
+//! 503, 504 → `UNAVAILABLE`; a 200 that is not gRPC → `UNKNOWN`). Metadata is
+//! read exactly as tonic's client reads it (`grpc-status: 014` is `UNKNOWN`).
+//! The set is configurable ([`RetryPolicy::with_retryable_codes`]). Malformed
+//! metadata never panics and never makes a call retryable; a
+//! `grpc-status-details-bin` that is not valid base64 — which would make
+//! tonic's client panic — is removed before the caller sees it. A server-given
+//! delay longer than [`RetryPolicy::with_max_server_delay`] (30 s) is not
+//! waited for.
 //!
 //! When the layer itself ends a call — no time left, or no budget — the caller
 //! gets a gRPC Trailers-Only response with `DEADLINE_EXCEEDED` or
 //! `RESOURCE_EXHAUSTED`, naming the last attempt's code, which a tonic client
-//! reports as a [`tonic::Status`].
+//! reports as a [`tonic::Status`]. A call whose last attempt got no response at
+//! all ends as `UNAVAILABLE`, naming the transport error.
+//!
+//! # Readiness and backpressure
+//!
+//! The layer's `poll_ready` never holds a caller: a call's deadline is only
+//! known from its request, so waiting for the service below to be ready
+//! happens inside the call, under its deadline and per-attempt timeout. A
+//! saturated concurrency limit below the layer therefore ends calls with
+//! `DEADLINE_EXCEEDED` at their deadlines instead of hanging them; put
+//! `load_shed` or `concurrency_limit` above the layer to bound how many calls
+//! wait.
 //!
 //! # Example
 //!

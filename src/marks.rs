@@ -23,8 +23,9 @@ pub(crate) fn new_idempotency_key() -> HeaderValue {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let bits: u128 = rand::random();
     let mut buf = [0u8; 32];
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = HEX[((bits >> (124 - 4 * i)) & 0xf) as usize];
+    for (pair, byte) in buf.chunks_exact_mut(2).zip(bits.to_be_bytes()) {
+        pair[0] = HEX[usize::from(byte >> 4)];
+        pair[1] = HEX[usize::from(byte & 0xf)];
     }
     // `from_owner` makes a reference-counted `Bytes` in one allocation; the
     // header is cloned for every attempt, and a copied slice would allocate
@@ -189,38 +190,62 @@ impl fmt::Debug for AlreadyTried {
 /// # route(&req, "b");
 /// # assert_eq!(picked.get().unwrap(), "b");
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct PickedInstance {
-    slot: Arc<Mutex<Option<HeaderValue>>>,
+    slot: Arc<dyn PickSlot>,
+}
+
+/// Where a report is kept. The layer's slot is part of the state every
+/// attempt of the call already shares (its replayable body), so the report
+/// costs no allocation of its own.
+pub(crate) trait PickSlot: Send + Sync {
+    fn set(&self, instance: HeaderValue);
+    fn get(&self) -> Option<HeaderValue>;
+}
+
+impl PickSlot for Mutex<Option<HeaderValue>> {
+    fn set(&self, instance: HeaderValue) {
+        *lock(self) = Some(instance);
+    }
+
+    fn get(&self) -> Option<HeaderValue> {
+        lock(self).clone()
+    }
+}
+
+fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The slot holds a plain value; a panic elsewhere cannot leave it torn.
+    slot.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Default for PickedInstance {
+    /// A slot of its own, e.g. to test a balancer.
+    fn default() -> Self {
+        Self {
+            slot: Arc::new(Mutex::new(None)),
+        }
+    }
 }
 
 impl PickedInstance {
+    pub(crate) fn from_slot(slot: Arc<dyn PickSlot>) -> Self {
+        Self { slot }
+    }
+
     /// Reports the instance the attempt is sent to.
     pub fn set(&self, instance: HeaderValue) {
-        *self.lock() = Some(instance);
+        self.slot.set(instance);
     }
 
     /// The instance reported for the current attempt, if any.
     pub fn get(&self) -> Option<HeaderValue> {
-        self.lock().clone()
-    }
-
-    /// Takes the report, leaving the slot empty for the next attempt.
-    pub(crate) fn take(&self) -> Option<HeaderValue> {
-        self.lock().take()
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Option<HeaderValue>> {
-        // The slot holds a plain value; a panic elsewhere cannot leave it torn.
-        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
+        self.slot.get()
     }
 }
 
 impl fmt::Debug for PickedInstance {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("PickedInstance")
-            .field(&*self.lock())
-            .finish()
+        f.debug_tuple("PickedInstance").field(&self.get()).finish()
     }
 }
 
@@ -271,11 +296,11 @@ mod tests {
     }
 
     #[test]
-    fn a_picked_instance_is_taken_once() {
+    fn a_picked_instance_is_shared_by_its_clones() {
         let picked = PickedInstance::default();
+        assert!(picked.get().is_none());
         let seen_by_balancer = picked.clone();
         seen_by_balancer.set(HeaderValue::from_static("b"));
-        assert_eq!(picked.take().unwrap(), "b");
-        assert!(picked.take().is_none());
+        assert_eq!(picked.get().unwrap(), "b");
     }
 }

@@ -42,12 +42,13 @@ impl RetryMetrics {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Attempts that finished (first attempts and retries).
+    /// Attempts sent whose outcome came back (first attempts and retries;
+    /// an attempt cut before it could be sent is not counted).
     pub fn attempts(&self) -> u64 {
         self.inner.attempts.load(Ordering::Relaxed)
     }
 
-    /// Retries sent.
+    /// Retries sent, each paid for with one token when it was sent.
     pub fn retries(&self) -> u64 {
         self.inner.retries.load(Ordering::Relaxed)
     }

@@ -23,9 +23,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
-use http::HeaderMap;
+use http::{HeaderMap, HeaderValue};
 use http_body::{Body, Frame, SizeHint};
 use tower::BoxError;
+
+use crate::marks::{PickSlot, PickedInstance};
 
 /// A request body shared by every attempt of one call; see the
 /// [module docs](self).
@@ -62,6 +64,9 @@ struct Shared<B> {
     trailers: Option<HeaderMap>,
     /// Clones waiting for the source to make progress.
     waiting: Vec<Waker>,
+    /// The instance a balancer below reported for the current attempt
+    /// (see [`PickedInstance`]): every attempt's request carries this state.
+    picked: Option<HeaderValue>,
 }
 
 /// The kept chunks. Most gRPC requests are one chunk, which is kept inline;
@@ -161,6 +166,7 @@ impl<B: Body> ReplayBody<B> {
                 failed: false,
                 trailers: None,
                 waiting: Vec::new(),
+                picked: None,
             })),
             pos: 0,
             trailers_sent: false,
@@ -196,6 +202,12 @@ impl<B> ReplayBody<B> {
         self.last = true;
     }
 
+    /// Takes the instance a balancer reported for the last attempt, leaving
+    /// the slot empty for the next.
+    pub(crate) fn take_picked(&self) -> Option<HeaderValue> {
+        self.lock().picked.take()
+    }
+
     /// Whether the body outgrew the replay limit.
     pub fn is_capped(&self) -> bool {
         self.lock().capped
@@ -204,6 +216,26 @@ impl<B> ReplayBody<B> {
     /// Whether the caller's body has been read to its end.
     pub fn is_complete(&self) -> bool {
         self.lock().ended
+    }
+}
+
+impl<B: Send + 'static> ReplayBody<B> {
+    /// The call's [`PickedInstance`] slot, for an attempt's request extensions.
+    pub(crate) fn picked_instance(&self) -> PickedInstance {
+        PickedInstance::from_slot(Arc::clone(&self.shared) as Arc<dyn PickSlot>)
+    }
+}
+
+impl<B: Send> PickSlot for Mutex<Shared<B>> {
+    fn set(&self, instance: HeaderValue) {
+        self.lock().unwrap_or_else(PoisonError::into_inner).picked = Some(instance);
+    }
+
+    fn get(&self) -> Option<HeaderValue> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .picked
+            .clone()
     }
 }
 

@@ -3,7 +3,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::header::Entry;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
@@ -20,8 +19,7 @@ use crate::call::CallPolicy;
 use crate::deadline::{GRPC_TIMEOUT, parse_grpc_timeout};
 use crate::future::ResponseFuture;
 use crate::marks::{
-    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, PickedInstance,
-    new_idempotency_key,
+    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, new_idempotency_key,
 };
 use crate::metrics::RetryMetrics;
 use crate::policy::RetryPolicy;
@@ -120,7 +118,7 @@ impl<S, B, RB, Bu> Service<Request<B>> for RetryService<S, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
-    B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin,
+    B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
     Bu: Budget + 'static,
 {
@@ -148,32 +146,48 @@ where
         let policy = &self.shared.policy;
         let (mut parts, body) = req.into_parts();
 
-        // One deadline for the whole call, on tokio's clock so tests can pause it.
-        let timeout = match parts.headers.get(GRPC_TIMEOUT) {
-            Some(value) => parse_grpc_timeout(value).or(policy.total_timeout),
-            None => policy.total_timeout,
-        };
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-
-        match parts.headers.entry(IDEMPOTENCY_KEY) {
-            // An empty key is no key: unrelated calls would share one dedup slot.
-            Entry::Occupied(mut key) if key.get().is_empty() => {
-                key.insert(new_idempotency_key());
-            }
-            Entry::Occupied(_) => {}
-            Entry::Vacant(slot) => {
-                if policy.idempotency_key {
-                    slot.insert(new_idempotency_key());
-                }
+        // One pass over the caller's headers finds what the layer reads or
+        // owns: custom header names are hashed byte by byte, so a lookup
+        // each would cost more than the scan.
+        let mut timeout = None;
+        let mut key = None;
+        let mut previous_attempts = false;
+        let mut already_tried = false;
+        for (name, value) in &parts.headers {
+            if name == GRPC_TIMEOUT {
+                timeout = timeout.or(Some(value));
+            } else if name == IDEMPOTENCY_KEY {
+                key = key.or(Some(value.is_empty()));
+            } else if name == PREVIOUS_ATTEMPTS {
+                previous_attempts = true;
+            } else if name == ALREADY_TRIED {
+                already_tried = true;
             }
         }
-        // A6: the first attempt carries no attempt count, whatever the caller set.
-        parts.headers.remove(PREVIOUS_ATTEMPTS);
-        let tried = callers_mark(&mut parts);
-        let picked = policy
-            .instance_header
-            .is_some()
-            .then(PickedInstance::default);
+
+        // One deadline for the whole call, on tokio's clock so tests can pause it.
+        let timeout = timeout
+            .and_then(parse_grpc_timeout)
+            .or(policy.total_timeout);
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+
+        match key {
+            // A key the caller set is kept on every attempt.
+            Some(false) => {}
+            // An empty key is no key: unrelated calls would share one dedup slot.
+            Some(true) => {
+                parts.headers.insert(IDEMPOTENCY_KEY, new_idempotency_key());
+            }
+            None if policy.idempotency_key => {
+                parts.headers.insert(IDEMPOTENCY_KEY, new_idempotency_key());
+            }
+            None => {}
+        }
+        if previous_attempts {
+            // A6: the first attempt carries no attempt count, whatever the caller set.
+            parts.headers.remove(PREVIOUS_ATTEMPTS);
+        }
+        let tried = callers_mark(&mut parts, already_tried);
 
         let body = if policy.max_attempts > 1 {
             ReplayBody::new(body, policy.replay_limit)
@@ -192,23 +206,17 @@ where
             deadline,
             attempt_timeout: policy.attempt_timeout,
         };
-        let attempt = Attempt::new(
-            first,
-            ready,
-            Arc::clone(&self.shared),
-            limits,
-            picked.clone(),
-        );
-        let call = CallPolicy::new(Arc::clone(&self.shared), deadline, tried, picked);
+        let attempt = Attempt::new(first, ready, Arc::clone(&self.shared), limits);
+        let call = CallPolicy::new(Arc::clone(&self.shared), deadline, tried);
         ResponseFuture::new(Retry::new(call, attempt).call(req))
     }
 }
 
 /// The already-tried mark the caller set (header, extension or both), merged
 /// and bounded; the first attempt carries it both ways.
-fn callers_mark(parts: &mut Parts) -> AlreadyTried {
+fn callers_mark(parts: &mut Parts, in_headers: bool) -> AlreadyTried {
     let in_extensions = parts.extensions.get::<AlreadyTried>();
-    if in_extensions.is_none() && !parts.headers.contains_key(ALREADY_TRIED) {
+    if in_extensions.is_none() && !in_headers {
         return AlreadyTried::default();
     }
     let mut tried = AlreadyTried::default();

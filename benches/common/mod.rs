@@ -21,8 +21,8 @@ use tower::{BoxError, Layer, Service, ServiceExt};
 pub static SMALL: [u8; 16] = [7; 16];
 pub static LARGE: [u8; 16 * 1024] = [7; 16 * 1024];
 
-/// A unary gRPC request carrying `payload`, with the headers tonic's client
-/// sets (static values, as tonic makes them).
+/// A unary gRPC request carrying `payload`, as tonic's generated client makes
+/// it: its headers (static values) and the `GrpcMethod` extension.
 pub fn request(payload: &'static [u8]) -> Request<Body> {
     Request::builder()
         .method("POST")
@@ -32,6 +32,7 @@ pub fn request(payload: &'static [u8]) -> Request<Body> {
             http::HeaderValue::from_static("application/grpc"),
         )
         .header(http::header::TE, http::HeaderValue::from_static("trailers"))
+        .extension(tonic::GrpcMethod::new("library.v1.Library", "GetBook"))
         .body(Body::new(Full::new(Bytes::from_static(payload))))
         .expect("a valid request")
 }

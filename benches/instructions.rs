@@ -1,0 +1,45 @@
+//! Instructions per call, for `valgrind --tool=callgrind`: on a shared,
+//! virtualised machine wall-clock timings move by ±15 % from run to run, while
+//! callgrind's instruction counts repeat exactly. It runs `N` calls (default
+//! 10,000) of one stack, chosen by `STACK`: `a` (no layer), `b` (tower's
+//! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`; the same stacks and
+//! request as `--bench overhead`. The cost of one call is the difference
+//! between two runs, which cancels start-up:
+//!
+//! ```text
+//! cargo bench --bench instructions --no-run
+//! BIN=$(ls -t target/release/deps/instructions-* | grep -v '\.d$' | head -1)
+//! for n in 1000 11000; do
+//!   STACK=c N=$n valgrind --tool=callgrind --callgrind-out-file=/dev/null $BIN 2>&1 | grep Collected
+//! done   # (second - first) / 10000 = instructions per call
+//! ```
+
+mod common;
+
+use common::*;
+use tonic_retry::RetryPolicy;
+
+fn main() {
+    let stack = std::env::var("STACK").unwrap_or_default();
+    let n = std::env::var("N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async move {
+        let payload = &SMALL[..];
+        match stack.as_str() {
+            "a" => timed(inner_ok(), n, payload).await,
+            "b" => timed(tower_retry(inner_ok()), n, payload).await,
+            "c" => timed(layered(inner_ok(), RetryPolicy::default()), n, payload).await,
+            "c-no-key" => {
+                let policy = RetryPolicy::default().with_idempotency_key(false);
+                timed(layered(inner_ok(), policy), n, payload).await
+            }
+            other => panic!("STACK must be a, b, c or c-no-key, not {other:?}"),
+        };
+    });
+}
