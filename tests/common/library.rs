@@ -247,5 +247,9 @@ pub async fn serve_plain(shelf: Shelf) -> SocketAddr {
 pub fn channel(addr: SocketAddr) -> Channel {
     Endpoint::from_shared(format!("http://{addr}"))
         .expect("a valid URI")
+        // Attempts cut by a per-attempt timeout reset their streams; h2
+        // remembers only 50 resets by default, and frames arriving on
+        // forgotten ones close the connection (see the README).
+        .http2_max_concurrent_reset_streams(4096)
         .connect_lazy()
 }

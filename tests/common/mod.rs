@@ -1,6 +1,6 @@
 //! Shared by the end-to-end tests.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 pub mod library;
 
