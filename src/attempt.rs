@@ -32,7 +32,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::classify::{is_timeout, status_in};
-use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_by};
+use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_at};
 use crate::metrics::Event;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
@@ -265,7 +265,7 @@ where
     ) -> Self {
         Self {
             state,
-            timer: cut.map(|(at, _)| timer_by(at)),
+            timer: cut.map(|(at, _)| timer_at(at)),
             cut,
             deadline,
             retry,
@@ -392,6 +392,8 @@ fn send<B, Bu: Budget>(
             return Err(Failure::NoBudget);
         }
         shared.metrics.record(Event::Retry);
+        // From now on this attempt's body is the live one.
+        req.body_mut().sent();
     }
     Ok(())
 }

@@ -70,9 +70,9 @@ struct Named {
 /// all have failed), so backpressure from the endpoints — a saturated
 /// concurrency limit, a full buffer — reaches the layers above, and
 /// `load_shed` above it sheds. A request goes to a ready endpoint that its mark
-/// does not name if there is one; otherwise to an untried endpoint, whose
-/// readiness its response future then waits for (under the retry layer's
-/// timer).
+/// does not name if there is one; otherwise to a ready endpoint it names
+/// rather than wait: having said it was ready, the balancer sends at once (so
+/// a retry the layer above paid for is really sent).
 pub struct PreferUntried<S> {
     names: Arc<[Named]>,
     /// This clone's handle on each endpoint.
@@ -142,10 +142,11 @@ impl<S> PreferUntried<S> {
         self.names.iter().map(|e| e.id.as_str())
     }
 
-    /// The endpoint for `req`: first an untried, ready one; then an untried
-    /// one; then a ready one; then any. Without a mark that is round-robin over
-    /// the ready endpoints; with one, a retry goes to an untried endpoint
-    /// chosen at random, so retries spread evenly over them.
+    /// The endpoint for `req`: first an untried, ready one; then a ready one;
+    /// then (when `call` came without `poll_ready`) an untried one; then any.
+    /// Without a mark that is round-robin over the ready endpoints; with one,
+    /// a retry goes to an untried endpoint chosen at random, so retries spread
+    /// evenly over them.
     fn pick<B>(&self, req: &Request<B>) -> usize {
         let n = self.names.len();
         let from_header;
@@ -173,9 +174,12 @@ impl<S> PreferUntried<S> {
             };
             (0..n).filter(|&i| keep(i)).nth(k)
         };
+        // NOTE: a ready endpoint comes before an untried one that is not
+        // ready: `poll_ready` said this balancer was ready, and the retry layer
+        // above paid for an attempt sent now, not one left waiting here.
         choose(&|i| untried(i) && ready(i))
-            .or_else(|| choose(&untried))
             .or_else(|| choose(&ready))
+            .or_else(|| choose(&untried))
             .or_else(|| choose(&|i| !self.failed[i]))
             .unwrap_or(0)
     }
@@ -189,7 +193,7 @@ impl<S: Clone> Clone for PreferUntried<S> {
             names: Arc::clone(&self.names),
             services: self.services.clone(),
             ready: vec![false; n],
-            failed: self.failed.clone(),
+            failed: vec![false; n],
             next: Arc::clone(&self.next),
         }
     }
@@ -213,6 +217,11 @@ where
     type Future = ResponseFuture<S, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if self.failed.iter().all(|f| *f) {
+            // Polled again after reporting every endpoint failed: poll them
+            // again rather than return `Pending` with no waker registered.
+            self.failed.fill(false);
+        }
         let mut any_ready = false;
         let mut last_error = None;
         for (i, service) in self.services.iter_mut().enumerate() {

@@ -10,7 +10,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
 use crate::classify::repair_status_details;
-use crate::deadline::timer_by;
+use crate::deadline::timer_at;
 use crate::status::GRPC_STATUS;
 
 pin_project! {
@@ -24,7 +24,10 @@ pin_project! {
     /// The call's deadline holds for the body too: a response still streaming
     /// when it passes (a server stream, a stalled body) ends there with
     /// `DEADLINE_EXCEEDED` trailers, as grpc-go and grpc-java end such a call,
-    /// and the inner body is dropped, which cancels its HTTP/2 stream.
+    /// and the inner body is dropped, which cancels its HTTP/2 stream. It ends
+    /// there even if the rest of it had already arrived and waits unread: the
+    /// layer cannot tell when a buffered frame arrived, and a body that is
+    /// always ready must not outlive its deadline.
     #[derive(Debug)]
     pub struct ResponseBody<B> {
         #[pin]
@@ -113,7 +116,7 @@ impl<B: Body> Body for ResponseBody<B> {
                 if let Some(deadline) = *this.deadline
                     && this.timer.is_none()
                 {
-                    let timer = this.timer.insert(Box::pin(timer_by(deadline)));
+                    let timer = this.timer.insert(Box::pin(timer_at(deadline)));
                     if timer.as_mut().poll(cx).is_ready() {
                         // Passed while the body was being polled: be polled
                         // again at once, to end it.

@@ -205,20 +205,28 @@ impl CallState {
                 code: Code::Unavailable,
                 message: no_response_message(self.made, &describe(&**error)),
             },
-            Err(Failure::Cut { why, .. }) => Last::Status {
+            Err(Failure::Cut { why, sent: true }) => Last::Status {
                 code: Code::DeadlineExceeded,
                 message: why.message(),
             },
-            Err(Failure::NotReady(_) | Failure::NoBudget) => return,
+            // Nothing new was learned: the last attempt sent still stands.
+            Err(Failure::Cut { sent: false, .. } | Failure::NotReady(_) | Failure::NoBudget) => {
+                return;
+            }
         };
         self.last = Some(Box::new(last));
     }
 
-    /// The last failed attempt's status, as the caller gets it when the retry
-    /// after it could not be sent.
-    fn last_status<RB>(&mut self) -> Response<ResponseBody<RB>> {
+    /// The last failed attempt's status, as the caller gets it when the
+    /// attempt after it could not be sent because the inner service failed
+    /// (`error`) while it waited to be ready. Without an earlier attempt, that
+    /// failure is the call's: `UNAVAILABLE`, naming it.
+    fn last_status<RB>(&mut self, error: &str) -> Response<ResponseBody<RB>> {
         let Some(last) = self.last.take() else {
-            return status_response(Code::Unavailable, "no attempt could be sent");
+            return status_response(
+                Code::Unavailable,
+                format!("the service failed before the call could be sent: {error}"),
+            );
         };
         match *last {
             Last::Response {
@@ -316,13 +324,14 @@ where
         // before it ended with: no token was taken for it.
         match result {
             Err(Failure::NotReady(error)) => {
+                let error = describe(&**error);
                 tracing::debug!(
                     attempt = state.made,
                     key = key(req),
-                    error = %describe(&**error),
-                    "the inner service failed while the retry waited for it; ending with the last status"
+                    error,
+                    "the inner service failed while the attempt waited for it; ending with the last status"
                 );
-                *result = Ok(state.last_status());
+                *result = Ok(state.last_status(&error));
                 req.body().release();
                 return None;
             }
@@ -382,6 +391,15 @@ where
         );
         let attempt = state.made;
         let name = code_name(verdict.code());
+        // What the caller is told the call ended with: the last attempt sent
+        // (an attempt cut before it could be sent answered nothing).
+        let ended_with = if sent {
+            format!("attempt {attempt} ended with {name}")
+        } else if state.sent > 0 {
+            format!("attempt {} ended with {}", state.sent, state.last_code())
+        } else {
+            "no attempt could be sent in time".to_owned()
+        };
         tracing::debug!(
             attempt,
             code = name,
@@ -407,11 +425,9 @@ where
             Decision::NoTime { left, .. } => {
                 metrics.record(Event::RefusedByDeadline);
                 let message = if left.is_zero() {
-                    format!("call deadline exceeded; attempt {attempt} ended with {name}")
+                    format!("call deadline exceeded; {ended_with}")
                 } else {
-                    format!(
-                        "no time left for another attempt: {left:?} left, attempt {attempt} ended with {name}"
-                    )
+                    format!("no time left for another attempt: {left:?} left, {ended_with}")
                 };
                 *result = Ok(status_response(Code::DeadlineExceeded, message));
                 req.body().release();
@@ -421,7 +437,7 @@ where
                 metrics.record(Event::RefusedByBudget);
                 *result = Ok(status_response(
                     Code::ResourceExhausted,
-                    format!("retry budget exhausted; attempt {attempt} ended with {name}"),
+                    format!("retry budget exhausted; {ended_with}"),
                 ));
                 req.body().release();
                 None

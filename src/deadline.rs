@@ -24,17 +24,13 @@ const UNITS: [(u8, u128); 6] = [
     (b'H', 3_600 * 1_000_000_000),
 ];
 
-/// Just under tokio's timer resolution.
-const TIMER_SLACK: Duration = Duration::from_nanos(999_999);
-
-/// A timer that fires by `at`, never after it.
+/// A timer for a limit at `at`.
 ///
-/// tokio's timer fires on the first millisecond tick at or after its instant,
-/// so a plain `sleep_until(at)` may fire up to a millisecond late. Started just
-/// under a millisecond early, it fires on the tick at or before `at`: a call
-/// cut by it never outlives its deadline.
-pub(crate) fn timer_by(at: Instant) -> Sleep {
-    tokio::time::sleep_until(at.checked_sub(TIMER_SLACK).unwrap_or(at))
+/// tokio fires it on the first millisecond tick at or after `at`, so the limit
+/// is enforced to that resolution: up to a millisecond after `at`, never
+/// before — an answer that arrives in time always wins over the cut.
+pub(crate) fn timer_at(at: Instant) -> Sleep {
+    tokio::time::sleep_until(at)
 }
 
 /// Parses a `grpc-timeout` value; `None` if it is not in the wire format.

@@ -129,10 +129,21 @@ impl AlreadyTried {
         true
     }
 
-    /// Adds the instance named by a header value (e.g. a response's
-    /// `x-instance-id`), if it is a valid id.
+    /// Adds an instance this call just failed on, named by a header value
+    /// (a response's `x-instance-id`, or a balancer's report), if it is a
+    /// valid id. A full mark makes room by dropping its oldest id: the
+    /// instance that failed last matters most to the next attempt.
     pub(crate) fn record(&mut self, id: &HeaderValue) -> bool {
-        id.to_str().is_ok_and(|id| self.insert(id))
+        let Ok(id) = id.to_str() else {
+            return false;
+        };
+        if self.ids.len() >= MAX_TRIED_INSTANCES && !self.contains(id.trim()) {
+            let mut probe = AlreadyTried::default();
+            if probe.insert(id) {
+                self.ids.remove(0);
+            }
+        }
+        self.insert(id)
     }
 
     /// Adds the ids of an `x-already-tried` header value.

@@ -13,9 +13,12 @@
 //! dropped chunks fails with [`ReplayError`] rather than send a truncated body.
 //!
 //! The copy also goes as soon as the call can no longer be retried — its
-//! response committed, the call decided, or its last attempt sent and past the
-//! replayed part — and nothing more is copied after that: a long client or
-//! bidirectional stream holds no copy for its lifetime.
+//! response committed, the call decided, or its last attempt sent — and the
+//! attempt still reading has replayed it; nothing more is copied after that: a
+//! long client or bidirectional stream holds no copy for its lifetime. From
+//! then on only that attempt's clone may read: an earlier attempt's clone that
+//! its HTTP stream still pulls fails instead of taking chunks the live attempt
+//! needs.
 
 use std::fmt;
 use std::pin::Pin;
@@ -40,10 +43,15 @@ pub struct ReplayBody<B> {
     pos: usize,
     /// Whether this clone has yielded the trailers.
     trailers_sent: bool,
-    /// Whether this clone is the call's last attempt: once it has replayed
-    /// the copy, nobody needs it any more.
+    /// Which send this clone went out as: 0 for the first attempt's (the
+    /// body `new` made), [`UNSENT`] for a clone not sent (yet).
+    epoch: u32,
+    /// Whether this clone is to be the call's last attempt.
     last: bool,
 }
+
+/// The epoch of a clone that was never sent.
+const UNSENT: u32 = u32::MAX;
 
 struct Shared<B> {
     /// The caller's body, while it has more to give.
@@ -56,8 +64,13 @@ struct Shared<B> {
     bytes: usize,
     limit: usize,
     capped: bool,
-    /// The call can no longer be retried: the copy is dropped and nothing
-    /// more is copied.
+    /// The epoch of the clone sent last, and how far it has read.
+    live: u32,
+    live_pos: usize,
+    /// Once the call can no longer be retried: the one clone still allowed to
+    /// read (the live attempt's). Nothing it reads is copied.
+    only: Option<u32>,
+    /// The copy is dropped: `only` has replayed it, or never needed it.
     released: bool,
     ended: bool,
     failed: bool,
@@ -152,7 +165,7 @@ impl<B: Body> ReplayBody<B> {
         Self::with_state(body, 0, false, true)
     }
 
-    fn with_state(body: B, limit: usize, capped: bool, released: bool) -> Self {
+    fn with_state(body: B, limit: usize, capped: bool, final_attempt: bool) -> Self {
         ReplayBody {
             shared: Arc::new(Mutex::new(Shared {
                 source: Some(body),
@@ -161,7 +174,10 @@ impl<B: Body> ReplayBody<B> {
                 bytes: 0,
                 limit,
                 capped,
-                released,
+                live: 0,
+                live_pos: 0,
+                only: final_attempt.then_some(0),
+                released: final_attempt,
                 ended: false,
                 failed: false,
                 trailers: None,
@@ -170,6 +186,7 @@ impl<B: Body> ReplayBody<B> {
             })),
             pos: 0,
             trailers_sent: false,
+            epoch: 0,
             last: false,
         }
     }
@@ -186,20 +203,33 @@ impl<B> ReplayBody<B> {
     /// been dropped and the caller's body has not failed.
     pub fn is_replayable(&self) -> bool {
         let shared = self.lock();
-        !shared.capped && !shared.failed && !shared.released
+        !shared.capped && !shared.failed && shared.only.is_none()
     }
 
-    /// Drops the copy and copies nothing more: the call can no longer be
-    /// retried. Clones that still need the copy fail with
-    /// [`ReplayError::Released`]; the clone reading at the front carries on.
+    /// The call can no longer be retried: only the attempt sent last may read
+    /// on, nothing more is copied, and the copy goes once that attempt has
+    /// replayed it. Other clones fail with [`ReplayError::Released`].
     pub(crate) fn release(&self) {
-        self.lock().release();
+        let mut shared = self.lock();
+        let live = shared.live;
+        shared.finalize(live);
     }
 
-    /// Marks this clone as the call's last attempt: once it has replayed the
-    /// copy, the copy is released.
+    /// Marks this clone as the call's last attempt, to be sent next: once it
+    /// is sent, it is the only clone that may read.
     pub(crate) fn mark_last(&mut self) {
         self.last = true;
+    }
+
+    /// Records that this clone is being sent as the call's next attempt.
+    pub(crate) fn sent(&mut self) {
+        let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        shared.live = shared.live.saturating_add(1).min(UNSENT - 1);
+        shared.live_pos = self.pos;
+        self.epoch = shared.live;
+        if self.last {
+            shared.finalize(self.epoch);
+        }
     }
 
     /// Takes the instance a balancer reported for the last attempt, leaving
@@ -252,17 +282,38 @@ impl<B> Shared<B> {
         }
     }
 
-    fn release(&mut self) {
+    /// Only the clone sent as `epoch` may read from now on; the copy goes
+    /// as soon as that clone has replayed it.
+    fn finalize(&mut self, epoch: u32) {
+        self.only = Some(epoch);
+        if self.live == epoch && self.live_pos >= self.read {
+            self.drop_copy();
+        }
+    }
+
+    fn drop_copy(&mut self) {
         if !self.released {
             self.released = true;
             self.chunks = Kept::default();
         }
     }
 
+    /// Notes that the clone sent as `epoch` has read up to `pos`.
+    fn advanced(&mut self, epoch: u32, pos: usize) {
+        if epoch == self.live {
+            self.live_pos = pos;
+        }
+        if self.only == Some(epoch) && pos >= self.read {
+            // The last reader has the whole copy now; nobody else will.
+            self.drop_copy();
+        }
+    }
+
     fn keep(&mut self, chunk: &Bytes) {
         self.read += 1;
         self.bytes = self.bytes.saturating_add(chunk.len());
-        if self.capped || self.released {
+        // Only `only` reads from here on, and it has this chunk in hand.
+        if self.capped || self.only.is_some() {
             return;
         }
         if self.bytes > self.limit {
@@ -294,6 +345,11 @@ where
         let mut guard = this.shared.lock().unwrap_or_else(PoisonError::into_inner);
         let shared = &mut *guard;
 
+        // Once no retry can follow, only the live attempt reads: an earlier
+        // attempt's stream must not take chunks from it.
+        if shared.only.is_some_and(|only| only != this.epoch) {
+            return Poll::Ready(Some(Err(ReplayError::Released.into())));
+        }
         // Replay what an earlier attempt already read.
         if this.pos < shared.read {
             if shared.capped {
@@ -304,15 +360,10 @@ where
             }
             let chunk = shared.chunks.get(this.pos).clone();
             this.pos += 1;
-            if this.last && this.pos == shared.read {
-                // The last attempt has the whole copy now; nobody else will.
-                shared.release();
-            }
+            shared.advanced(this.epoch, this.pos);
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
-        if this.last {
-            shared.release();
-        }
+        shared.advanced(this.epoch, this.pos);
         if shared.failed {
             return Poll::Ready(Some(Err(ReplayError::SourceFailed.into())));
         }
@@ -350,6 +401,7 @@ where
                 Ok(chunk) => {
                     shared.keep(&chunk);
                     this.pos += 1;
+                    shared.advanced(this.epoch, this.pos);
                     Some(Ok(Frame::data(chunk)))
                 }
                 Err(frame) => match frame.into_trailers() {
@@ -410,6 +462,7 @@ impl<B> Clone for ReplayBody<B> {
             shared: Arc::clone(&self.shared),
             pos: 0,
             trailers_sent: false,
+            epoch: UNSENT,
             last: false,
         }
     }
@@ -434,6 +487,7 @@ impl<B> fmt::Debug for ReplayBody<B> {
             .field("limit", &shared.limit)
             .field("capped", &shared.capped)
             .field("released", &shared.released)
+            .field("epoch", &self.epoch)
             .field("ended", &shared.ended)
             .finish()
     }
@@ -667,6 +721,7 @@ mod tests {
         let mut last = first.clone();
         drop(first);
         last.mark_last();
+        last.sent();
         assert_eq!(
             last.frame().await.unwrap().unwrap().into_data().unwrap(),
             "a"

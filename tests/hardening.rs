@@ -171,6 +171,22 @@ async fn the_last_status_given_after_a_readiness_error_is_safe_for_tonic() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_readiness_error_before_the_first_attempt_is_unavailable_naming_it() {
+    // The caller is never held in `poll_ready`, so a service that fails while
+    // the first attempt waits for it fails inside the call.
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    handle.allow(0);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    tokio::time::sleep(10 * MS).await;
+    handle.send_error("the buffer's worker is gone");
+    let response = bounded(call).await.unwrap().unwrap();
+    let status = tonic::Status::from_header_map(response.headers()).unwrap();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert!(status.message().contains("worker is gone"), "{status:?}");
+    assert_eq!(layer.metrics().attempts(), 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_committed_stream_ends_at_the_deadline_with_deadline_exceeded() {
     let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
     let start = Instant::now();

@@ -8,8 +8,9 @@
 //!
 //! Every case checks: no panic; never more attempts than `max_attempts`; never
 //! a retry after a final answer; with a valid deadline the call — its response
-//! body included — ends by it; and tonic's `Status::from_header_map` can read
-//! whatever the caller gets.
+//! body included — ends by it (to tokio's timer resolution: the first
+//! millisecond tick at or after it); and tonic's `Status::from_header_map` can
+//! read whatever the caller gets.
 //!
 //! Seeded and reproducible: `TONIC_RETRY_FUZZ_CASES` sets the number of cases
 //! (default 100,000) and `TONIC_RETRY_FUZZ_SEED` the first seed (default 0);
@@ -661,8 +662,10 @@ async fn run(seed: u64) {
         "seed {seed}: {made} attempts, but attempt {limit} ended the call: {case:?}"
     );
     if let Some(deadline) = deadline {
+        // tokio's timers fire on the first millisecond tick at or after their
+        // instant: the layer never cuts early, so it may end up to 1 ms late.
         assert!(
-            elapsed <= deadline,
+            elapsed <= deadline + MS,
             "seed {seed}: the call took {elapsed:?} past its {deadline:?} deadline: {case:?}"
         );
     }
