@@ -393,12 +393,15 @@ where
         let name = code_name(verdict.code());
         // What the caller is told the call ended with: the last attempt sent
         // (an attempt cut before it could be sent answered nothing).
-        let ended_with = if sent {
-            format!("attempt {attempt} ended with {name}")
-        } else if state.sent > 0 {
-            format!("attempt {} ended with {}", state.sent, state.last_code())
-        } else {
-            "no attempt could be sent in time".to_owned()
+        // Written only when the call ends on the layer's own decision.
+        let ended_with = |state: &CallState| {
+            if sent {
+                format!("attempt {attempt} ended with {name}")
+            } else if state.sent > 0 {
+                format!("attempt {} ended with {}", state.sent, state.last_code())
+            } else {
+                "no attempt could be sent in time".to_owned()
+            }
         };
         tracing::debug!(
             attempt,
@@ -424,6 +427,7 @@ where
             }
             Decision::NoTime { left, .. } => {
                 metrics.record(Event::RefusedByDeadline);
+                let ended_with = ended_with(state);
                 let message = if left.is_zero() {
                     format!("call deadline exceeded; {ended_with}")
                 } else {
@@ -437,7 +441,7 @@ where
                 metrics.record(Event::RefusedByBudget);
                 *result = Ok(status_response(
                     Code::ResourceExhausted,
-                    format!("retry budget exhausted; {ended_with}"),
+                    format!("retry budget exhausted; {}", ended_with(state)),
                 ));
                 req.body().release();
                 None
