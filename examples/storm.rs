@@ -3,7 +3,9 @@
 //! The retry-storm simulation: what retries do to a failing service at the
 //! bottom of 1, 2 and 3 stacked hops, each hop a client with its own
 //! `RetryLayer`, without a budget, with `RetryBudget` and with tower's
-//! `TpsBudget` plugged in through the `Budget` trait.
+//! `TpsBudget` plugged in through the `Budget` trait — each with the "do not
+//! retry" mark of retry-at-one-layer off (how every retrying client behaved
+//! before it) and on (the layer's default).
 //!
 //! Traffic is steady and open-loop: 50 clients, each starting a call every
 //! 50–150 ms (without waiting for the last to finish) with a 1 s deadline. The bottom service is healthy for 5 s, fails every call for 10 s
@@ -115,24 +117,38 @@ where
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
     NoRetries,
-    None,
-    Ours,
-    Towers,
+    /// No budget; the "do not retry" mark on or off.
+    None(bool),
+    Ours(bool),
+    Towers(bool),
 }
 
 impl Kind {
+    const ALL: [Kind; 7] = [
+        Kind::NoRetries,
+        Kind::None(false),
+        Kind::Ours(false),
+        Kind::Towers(false),
+        Kind::None(true),
+        Kind::Ours(true),
+        Kind::Towers(true),
+    ];
+
     fn name(self) -> &'static str {
         match self {
             Kind::NoRetries => "no retries",
-            Kind::None => "retries, no budget",
-            Kind::Ours => "RetryBudget(200, 0.1)",
-            Kind::Towers => "TpsBudget(10s, 10/s, 10%)",
+            Kind::None(false) => "retries, no budget",
+            Kind::Ours(false) => "RetryBudget(200, 0.1)",
+            Kind::Towers(false) => "TpsBudget(10s, 10/s, 10%)",
+            Kind::None(true) => "mark, no budget",
+            Kind::Ours(true) => "mark + RetryBudget",
+            Kind::Towers(true) => "mark + TpsBudget",
         }
     }
 }
 
 fn stack(depth: usize, kind: Kind, bottom: Hop) -> Hop {
-    let retries = RetryPolicy::default;
+    let retries = |mark| RetryPolicy::default().with_retry_at_one_layer(mark);
     // A budget too large to spend in the run: effectively none.
     let unlimited = || RetryBudget::new(u32::MAX, 1.0).unwrap();
     (0..depth).fold(bottom, |next, _| match kind {
@@ -141,11 +157,11 @@ fn stack(depth: usize, kind: Kind, bottom: Hop) -> Hop {
             RetryPolicy::new(1, Duration::ZERO, Duration::ZERO, 0.0).unwrap(),
             unlimited(),
         ),
-        Kind::None => hop(next, retries(), unlimited()),
-        Kind::Ours => hop(next, retries(), RetryBudget::new(200, 0.1).unwrap()),
-        Kind::Towers => hop(
+        Kind::None(mark) => hop(next, retries(mark), unlimited()),
+        Kind::Ours(mark) => hop(next, retries(mark), RetryBudget::new(200, 0.1).unwrap()),
+        Kind::Towers(mark) => hop(
             next,
-            retries(),
+            retries(mark),
             TpsBudget::new(Duration::from_secs(10), 10, 0.1),
         ),
     })
@@ -267,13 +283,17 @@ fn main() {
     for depth in 1..=3usize {
         let worst = 3u32.pow(depth as u32);
         println!(
-            "{depth} hop{} — worst case {worst} attempts per call at the bottom (3^{depth}); if each layer re-fanned out, {}",
+            "{depth} hop{} — worst case {worst} attempts per call at the bottom (3^{depth}) without the mark, 3 with it; if each layer re-fanned out, {}",
             if depth > 1 { "s" } else { "" },
-            (0..depth)
-                .map(|k| (1u32 << k).to_string())
-                .collect::<Vec<_>>()
-                .join(" + ")
-                + &format!(" = {} copies", (1u32 << depth) - 1)
+            if depth == 1 {
+                "1 copy".to_owned()
+            } else {
+                (0..depth)
+                    .map(|k| (1u32 << k).to_string())
+                    .collect::<Vec<_>>()
+                    .join(" + ")
+                    + &format!(" = {} copies", (1u32 << depth) - 1)
+            }
         );
         println!(
             "  {:<26} {:>16} {:>16} {:>16} {:>16} {:>12} {:>10} {:>10}",
@@ -286,7 +306,7 @@ fn main() {
             "peak load",
             "to normal"
         );
-        for kind in [Kind::NoRetries, Kind::None, Kind::Ours, Kind::Towers] {
+        for kind in Kind::ALL {
             let r = runtime.block_on(run(depth, kind));
             let cell = |i: usize| {
                 format!(
@@ -320,5 +340,8 @@ fn main() {
     );
     println!(
         "to normal: from the end of the brown-out until the bottom's load is within 10 % of its healthy level."
+    );
+    println!(
+        "mark: retry at one layer on — a layer that gives up after retrying, or is refused a retry by its budget or deadline, answers grpc-retry-pushback-ms: -1, and the layers above do not retry."
     );
 }

@@ -27,10 +27,10 @@ use crate::classify::{
     Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
 };
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
-use crate::metrics::Event;
+use crate::metrics::{Event, RetryMetrics};
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
-use crate::status::{code_name, status_response};
+use crate::status::{GRPC_RETRY_PUSHBACK, code_name, status_response};
 
 /// One call's policy, cloned by `Retry` into the call's future: what every
 /// call shares, and this call's own state.
@@ -153,6 +153,10 @@ impl CallState {
         if verdict.is_success() {
             Budget::deposit(budget);
             return Decision::Done("succeeded");
+        }
+        if let Verdict::RetriedBelow(_) = verdict {
+            shared.metrics.record(Event::RetriedBelow);
+            return Decision::Done("not retried: a layer below already retried");
         }
         let Verdict::Retryable { server_delay, .. } = verdict else {
             return Decision::Done("not retryable");
@@ -331,7 +335,11 @@ where
                     error,
                     "the inner service failed while the attempt waited for it; ending with the last status"
                 );
-                *result = Ok(state.last_status(&error));
+                let mut response = state.last_status(&error);
+                if policy.retry_at_one_layer && state.sent >= 2 {
+                    mark_given_up(&mut response, metrics);
+                }
+                *result = Ok(response);
                 req.body().release();
                 return None;
             }
@@ -347,7 +355,11 @@ where
                     state.made - 1,
                     state.last_code()
                 );
-                *result = Ok(status_response(Code::ResourceExhausted, message));
+                let mut response = status_response(Code::ResourceExhausted, message);
+                if policy.retry_at_one_layer {
+                    mark_given_up(&mut response, metrics);
+                }
+                *result = Ok(response);
                 req.body().release();
                 return None;
             }
@@ -391,6 +403,17 @@ where
         );
         let attempt = state.made;
         let name = code_name(verdict.code());
+        // Retry at one layer: a call given up on after retrying, or refused a
+        // retry by the budget or the deadline, tells the layers above not to
+        // retry it again.
+        let marked = policy.retry_at_one_layer
+            && match decision {
+                Decision::NoTime { .. } | Decision::NoBudget { .. } => true,
+                Decision::Done(_) => {
+                    matches!(verdict, Verdict::Retryable { .. }) && state.sent >= 2
+                }
+                Decision::Retry { .. } => false,
+            };
         // What the caller is told the call ended with: the last attempt sent
         // (an attempt cut before it could be sent answered nothing).
         // Written only when the call ends on the layer's own decision.
@@ -413,6 +436,7 @@ where
             delay = ?decision.delay(),
             remaining = ?remaining,
             tokens = budget::balance(budget).unwrap_or(f64::NAN),
+            marked,
             "{}",
             decision.describe()
         );
@@ -421,6 +445,9 @@ where
             Decision::Done(_) => {
                 if verdict != Verdict::Committed {
                     finish(result, attempt);
+                }
+                if marked && let Ok(response) = result {
+                    mark_given_up(response, metrics);
                 }
                 req.body().release();
                 None
@@ -433,16 +460,24 @@ where
                 } else {
                     format!("no time left for another attempt: {left:?} left, {ended_with}")
                 };
-                *result = Ok(status_response(Code::DeadlineExceeded, message));
+                let mut response = status_response(Code::DeadlineExceeded, message);
+                if marked {
+                    mark_given_up(&mut response, metrics);
+                }
+                *result = Ok(response);
                 req.body().release();
                 None
             }
             Decision::NoBudget { .. } => {
                 metrics.record(Event::RefusedByBudget);
-                *result = Ok(status_response(
+                let mut response = status_response(
                     Code::ResourceExhausted,
                     format!("retry budget exhausted; {}", ended_with(state)),
-                ));
+                );
+                if marked {
+                    mark_given_up(&mut response, metrics);
+                }
+                *result = Ok(response);
                 req.body().release();
                 None
             }
@@ -481,6 +516,16 @@ where
         *clone.extensions_mut() = req.extensions().clone();
         Some(clone)
     }
+}
+
+/// Marks a failure this layer gave up on "do not retry" for the layers above
+/// (gRPC A6: a negative `grpc-retry-pushback-ms`), replacing any pushback the
+/// server sent: the retries happened here, at the lowest hop.
+fn mark_given_up<RB>(response: &mut Response<ResponseBody<RB>>, metrics: &RetryMetrics) {
+    response
+        .headers_mut()
+        .insert(GRPC_RETRY_PUSHBACK, HeaderValue::from_static("-1"));
+    metrics.record(Event::Marked);
 }
 
 /// Last touches on an outcome handed to the caller as it is (a committed

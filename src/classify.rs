@@ -49,6 +49,10 @@ pub(crate) enum Verdict {
         code: Code,
         server_delay: Option<Duration>,
     },
+    /// A retryable code carrying A6's "do not retry" mark (a negative
+    /// `grpc-retry-pushback-ms`): a retry layer below already retried it and
+    /// gave up, or the server asks for no retry. Final.
+    RetriedBelow(Code),
 }
 
 impl Verdict {
@@ -56,7 +60,9 @@ impl Verdict {
     pub(crate) fn code(self) -> Code {
         match self {
             Verdict::Committed => Code::Ok,
-            Verdict::Final(code) | Verdict::Retryable { code, .. } => code,
+            Verdict::Final(code)
+            | Verdict::Retryable { code, .. }
+            | Verdict::RetriedBelow(code) => code,
         }
     }
 
@@ -111,6 +117,7 @@ fn retryable_verdict(code: Code, headers: &HeaderMap, retryable: RetryableCodes)
     let server_delay = match pushback(headers) {
         Pushback::Absent => None,
         Pushback::After(delay) => Some(delay),
+        Pushback::Refused => return Verdict::RetriedBelow(code),
         Pushback::Stop => return Verdict::Final(code),
     };
     let retry_info = match code {
@@ -186,6 +193,9 @@ pub(crate) fn code_for_http_status(status: StatusCode) -> Code {
 enum Pushback {
     Absent,
     After(Duration),
+    /// A negative integer: "do not retry", as a retry layer that gave up says it.
+    Refused,
+    /// Junk or several values: no retry either.
     Stop,
 }
 
@@ -201,6 +211,12 @@ fn pushback(headers: &HeaderMap) -> Pushback {
         return Pushback::Stop;
     }
     let digits = value.as_bytes();
+    if let Some(magnitude) = digits.strip_prefix(b"-")
+        && !magnitude.is_empty()
+        && magnitude.iter().all(u8::is_ascii_digit)
+    {
+        return Pushback::Refused;
+    }
     if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
         return Pushback::Stop;
     }
@@ -676,12 +692,22 @@ mod tests {
                 server_delay: Some(Duration::ZERO),
             }
         );
-        for junk in ["-1", "xxx", "", "1.5", "+5", "99999999999999999999999"] {
+        for junk in ["xxx", "", "1.5", "+5", "-", "--1", "99999999999999999999999"] {
             let h = headers(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", junk)]);
             assert_eq!(
                 judge(&h),
                 Verdict::Final(Code::Unavailable),
                 "pushback {junk:?}"
+            );
+        }
+        // A negative integer is the "do not retry" mark a layer below sets
+        // when it gave up after retrying.
+        for mark in ["-1", "-250", "-99999999999999999999999"] {
+            let h = headers(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", mark)]);
+            assert_eq!(
+                judge(&h),
+                Verdict::RetriedBelow(Code::Unavailable),
+                "pushback {mark:?}"
             );
         }
         let h = headers(&[

@@ -143,9 +143,13 @@
 //!   a 300 ms per-attempt timeout yields timeouts, not successes — and three
 //!   times the load.
 //! * Retries multiply across layers: three hops each making 3 attempts make
-//!   27 calls to the bottom one. Retry at one layer where you can; the budget
-//!   is what keeps a stack of retrying layers near `1 + deposit` per layer
-//!   once the saved balance is spent.
+//!   27 calls to the bottom one. The layer retries at one layer: a failure it
+//!   gives up on after retrying (or that its budget or the deadline refused
+//!   to retry) goes up marked `grpc-retry-pushback-ms: -1`, gRPC A6's "do not
+//!   retry", which every A6 client honours — 3 calls at the bottom instead of
+//!   27 ([`RetryPolicy::with_retry_at_one_layer`], [`RetryMarkExt`]). The
+//!   budget keeps a stack of retrying layers near `1 + deposit` per layer once
+//!   the saved balance is spent.
 //! * The budget is per process by design: a cluster-wide exact quota would
 //!   cost a remote call per request.
 //! * A successful call is one whose response started normally (or was `OK`);
@@ -202,7 +206,7 @@ pub use error::ConfigError;
 pub use layer::RetryLayer;
 pub use marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, MAX_INSTANCE_ID_LEN,
-    MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance,
+    MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance, RetryMarkExt,
 };
 pub use metrics::RetryMetrics;
 pub use policy::{DEFAULT_MAX_SERVER_DELAY, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};

@@ -260,6 +260,68 @@ impl fmt::Debug for PickedInstance {
     }
 }
 
+/// The "do not retry" mark on a [`tonic::Status`]: retry at one layer, across
+/// processes.
+///
+/// A [`RetryLayer`](crate::RetryLayer) that gives up on a retryable failure
+/// after retrying (or because its budget or the deadline refused a retry)
+/// hands the failure up with `grpc-retry-pushback-ms: -1`, gRPC A6's "do not
+/// retry": every A6 client passes such a failure up without retrying it (see
+/// [`RetryPolicy::with_retry_at_one_layer`](crate::RetryPolicy::with_retry_at_one_layer)).
+///
+/// In a tonic server that calls another service, the mark crosses the hop by
+/// itself when the handler returns the downstream `Status` — `?` does — since
+/// tonic writes a `Status`'s metadata into the response. A handler that
+/// answers with a status of its own keeps the mark with one call:
+///
+/// ```
+/// use tonic::Status;
+/// use tonic_retry::RetryMarkExt;
+///
+/// // What the next hop's call returned: a failure its retry layer gave up on.
+/// # let mut downstream = Status::unavailable("inventory is down");
+/// # downstream
+/// #     .metadata_mut()
+/// #     .insert("grpc-retry-pushback-ms", "-1".parse().unwrap());
+/// assert!(downstream.retried_below());
+///
+/// // In the handler: `.map_err(|e| Status::unavailable("...").keep_retry_mark(&e))?`
+/// let answer = Status::unavailable("cannot price the book").keep_retry_mark(&downstream);
+/// assert!(answer.retried_below());
+/// ```
+pub trait RetryMarkExt {
+    /// Whether this status carries the "do not retry" mark: a negative
+    /// `grpc-retry-pushback-ms`.
+    fn retried_below(&self) -> bool;
+
+    /// This status, carrying `from`'s "do not retry" mark if `from` has one.
+    #[must_use]
+    fn keep_retry_mark(self, from: &tonic::Status) -> Self;
+}
+
+impl RetryMarkExt for tonic::Status {
+    fn retried_below(&self) -> bool {
+        self.metadata()
+            .get(RETRY_PUSHBACK)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix('-'))
+            .is_some_and(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+    }
+
+    fn keep_retry_mark(mut self, from: &tonic::Status) -> Self {
+        if from.retried_below() {
+            self.metadata_mut().insert(
+                RETRY_PUSHBACK,
+                tonic::metadata::MetadataValue::from_static("-1"),
+            );
+        }
+        self
+    }
+}
+
+/// `grpc-retry-pushback-ms`, as tonic's metadata names it.
+const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,6 +366,42 @@ mod tests {
         let huge = HeaderValue::try_from(format!("a, ,b,,{},c,a", "y".repeat(1000))).unwrap();
         let parsed = AlreadyTried::from_header(&huge);
         assert_eq!(parsed.iter().collect::<Vec<_>>(), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn the_retry_mark_survives_a_tonic_hop_and_a_fresh_status() {
+        // A failure the layer gave up on, as the next hop's client reads it.
+        let mut headers = http::HeaderMap::new();
+        headers.insert("grpc-status", HeaderValue::from_static("14"));
+        headers.insert("grpc-retry-pushback-ms", HeaderValue::from_static("-1"));
+        let downstream = tonic::Status::from_header_map(&headers).unwrap();
+        assert!(downstream.retried_below());
+
+        // `?` in a handler: tonic writes the status, metadata and all.
+        let passed_on = downstream.clone().into_http::<()>();
+        assert_eq!(passed_on.headers()["grpc-retry-pushback-ms"], "-1");
+
+        // A fresh status loses it, unless it is kept.
+        let fresh = tonic::Status::unavailable("cannot price the book");
+        assert!(!fresh.retried_below());
+        let kept = fresh.keep_retry_mark(&downstream).into_http::<()>();
+        assert_eq!(kept.headers()["grpc-retry-pushback-ms"], "-1");
+
+        // Only a negative pushback is the mark.
+        for (value, marked) in [
+            ("-1", true),
+            ("-250", true),
+            ("250", false),
+            ("-", false),
+            ("x", false),
+        ] {
+            let mut s = tonic::Status::unavailable("");
+            s.metadata_mut()
+                .insert("grpc-retry-pushback-ms", value.parse().unwrap());
+            assert_eq!(s.retried_below(), marked, "{value:?}");
+            let carried = tonic::Status::aborted("").keep_retry_mark(&s);
+            assert_eq!(carried.retried_below(), marked, "{value:?}");
+        }
     }
 
     #[test]

@@ -19,6 +19,8 @@ struct Counters {
     retries: AtomicU64,
     refused_by_budget: AtomicU64,
     refused_by_deadline: AtomicU64,
+    retried_below: AtomicU64,
+    marked: AtomicU64,
 }
 
 /// What to count.
@@ -28,6 +30,8 @@ pub(crate) enum Event {
     Retry,
     RefusedByBudget,
     RefusedByDeadline,
+    RetriedBelow,
+    Marked,
 }
 
 impl RetryMetrics {
@@ -38,6 +42,8 @@ impl RetryMetrics {
             Event::Retry => &c.retries,
             Event::RefusedByBudget => &c.refused_by_budget,
             Event::RefusedByDeadline => &c.refused_by_deadline,
+            Event::RetriedBelow => &c.retried_below,
+            Event::Marked => &c.marked,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -62,6 +68,21 @@ impl RetryMetrics {
     pub fn refused_by_deadline(&self) -> u64 {
         self.inner.refused_by_deadline.load(Ordering::Relaxed)
     }
+
+    /// Retryable failures passed up without a retry because they carried the
+    /// "do not retry" mark (`grpc-retry-pushback-ms` negative): a retry layer
+    /// below had already retried them and given up (or the server asked for
+    /// no retry). Not counted in the refusals by budget or deadline.
+    pub fn retried_below(&self) -> u64 {
+        self.inner.retried_below.load(Ordering::Relaxed)
+    }
+
+    /// Failures this layer gave up on and marked "do not retry" for the layers
+    /// above (see
+    /// [`RetryPolicy::with_retry_at_one_layer`](crate::RetryPolicy::with_retry_at_one_layer)).
+    pub fn marked(&self) -> u64 {
+        self.inner.marked.load(Ordering::Relaxed)
+    }
 }
 
 impl fmt::Debug for RetryMetrics {
@@ -71,6 +92,8 @@ impl fmt::Debug for RetryMetrics {
             .field("retries", &self.retries())
             .field("refused_by_budget", &self.refused_by_budget())
             .field("refused_by_deadline", &self.refused_by_deadline())
+            .field("retried_below", &self.retried_below())
+            .field("marked", &self.marked())
             .finish()
     }
 }

@@ -105,6 +105,7 @@ impl fmt::Debug for RetryableCodes {
 /// | minimum attempt budget | 20 ms |
 /// | longest server-given delay waited for | 30 s |
 /// | replay buffer limit | 64 KiB |
+/// | retry at one layer (mark a give-up `grpc-retry-pushback-ms: -1`) | on |
 /// | idempotency key generation | on (`x-idempotency-key`) |
 /// | instance id response header | `x-instance-id` |
 ///
@@ -137,6 +138,7 @@ pub struct RetryPolicy {
     pub(crate) replay_limit: usize,
     pub(crate) idempotency_key: bool,
     pub(crate) instance_header: Option<HeaderName>,
+    pub(crate) retry_at_one_layer: bool,
 }
 
 impl RetryPolicy {
@@ -187,6 +189,7 @@ impl RetryPolicy {
             replay_limit: 64 * 1024,
             idempotency_key: true,
             instance_header: Some(crate::marks::INSTANCE_ID),
+            retry_at_one_layer: true,
         })
     }
 
@@ -267,6 +270,32 @@ impl RetryPolicy {
         self
     }
 
+    /// Whether a call this layer gives up on tells the layers above not to
+    /// retry it (default on): retry at one layer, the one directly above the
+    /// failure.
+    ///
+    /// When the layer gives up on a retryable failure after it retried, or
+    /// because its budget or the deadline refused a retry, the response it
+    /// hands up carries gRPC A6's "do not retry" mark,
+    /// `grpc-retry-pushback-ms: -1`. Every A6 client — this layer, grpc-go,
+    /// grpc-java, C-core — then passes the failure up without retrying it, so
+    /// a stack of retrying hops makes `max_attempts` calls to a failing
+    /// service per user call, not `max_attempts` to the power of the number
+    /// of hops. A failure the layer did not retry (one attempt allowed, a
+    /// final code, a body that cannot be replayed) is not marked.
+    ///
+    /// Turn it off for a hop whose own retries cannot reach instances its
+    /// caller could: say, a hop pinned to one zone under a caller that
+    /// balances across zones. Then the caller's retry may still succeed
+    /// where this hop's could not. See also
+    /// [`RetryMarkExt`](crate::RetryMarkExt), for server handlers that answer
+    /// with a status of their own.
+    #[must_use]
+    pub fn with_retry_at_one_layer(mut self, on: bool) -> Self {
+        self.retry_at_one_layer = on;
+        self
+    }
+
     /// The most attempts a call makes, first included.
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts
@@ -327,6 +356,7 @@ mod tests {
         assert_eq!(p.jitter, 0.2);
         assert_eq!(p.min_attempt_budget, 20 * MS);
         assert_eq!(p.max_server_delay, Duration::from_secs(30));
+        assert!(p.retry_at_one_layer);
         assert_eq!(p.replay_limit, 64 * 1024);
         assert!(p.idempotency_key);
         assert_eq!(p.retryable, RetryableCodes::default());

@@ -1,0 +1,194 @@
+//! Retry at one layer (SPEC §11): a layer that gives up on a retryable failure
+//! after retrying, or because its budget or the deadline refused a retry,
+//! marks the failure "do not retry" (`grpc-retry-pushback-ms: -1`) for the
+//! layers above; a failure it did not retry is not marked; a layer that gets a
+//! marked failure passes it up unretried. `tower-test` mocks under paused time.
+
+mod support;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response};
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{RetryBudget, RetryMarkExt, RetryPolicy};
+
+use support::*;
+
+fn mark_of<B>(r: &Response<B>) -> Option<&str> {
+    r.headers()
+        .get("grpc-retry-pushback-ms")
+        .map(|v| v.to_str().unwrap())
+}
+
+fn marked(code: Code) -> Response<Body> {
+    let mut r = status(code);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("-1"));
+    r
+}
+
+#[tokio::test(start_paused = true)]
+async fn giving_up_after_retrying_marks_the_failure() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    for _ in 0..3 {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(status(Code::Unavailable));
+    }
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(
+        message_of(&response),
+        "from the server",
+        "the server's answer"
+    );
+    assert_eq!(mark_of(&response), Some("-1"));
+    assert!(
+        tonic::Status::from_header_map(response.headers())
+            .unwrap()
+            .retried_below(),
+        "a tonic client sees the mark in the status metadata"
+    );
+    assert_eq!(layer.metrics().marked(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_mark_replaces_a_servers_pushback() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::new(2, MS, MS, 0.0).unwrap(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    for _ in 0..2 {
+        let (_, send, _) = next(&mut handle).await;
+        let mut r = status(Code::Unavailable);
+        r.headers_mut()
+            .insert("grpc-retry-pushback-ms", HeaderValue::from_static("5"));
+        send.send_response(r);
+    }
+    let response = call.await.unwrap().unwrap();
+    let values: Vec<_> = response
+        .headers()
+        .get_all("grpc-retry-pushback-ms")
+        .iter()
+        .collect();
+    assert_eq!(values, ["-1"], "one value: the mark");
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_that_found_no_server_are_marked_too() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    for _ in 0..3 {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_error("connection refused");
+    }
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(mark_of(&response), Some("-1"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn refusals_by_the_budget_or_the_deadline_are_marked() {
+    // Budget: nothing to pay a retry with.
+    let empty = RetryBudget::new(1, 0.1).unwrap(); // half a token
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), empty);
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::ResourceExhausted);
+    assert_eq!(mark_of(&response), Some("-1"));
+    assert_eq!(layer.metrics().refused_by_budget(), 1);
+
+    // Deadline: no room for the backoff and another attempt.
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "30m")).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(mark_of(&response), Some("-1"));
+    assert_eq!(layer.metrics().refused_by_deadline(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn failures_this_layer_did_not_retry_are_not_marked() {
+    // One attempt allowed.
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::new(1, MS, MS, 0.0).unwrap(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(mark_of(&response), None, "max_attempts 1");
+    assert_eq!(layer.metrics().marked(), 0);
+
+    // A final code.
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::NotFound));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(mark_of(&response), None, "a final code");
+
+    // A body that cannot be replayed.
+    let policy = RetryPolicy::default().with_replay_limit(4);
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let mut req = request();
+    *req.body_mut() = Body::new(http_body_util::Full::new(Bytes::from_static(
+        b"far more than four bytes",
+    )));
+    let call = spawn_call(&mut svc, req).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(mark_of(&response), None, "a body that cannot be replayed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_the_mark_off_nothing_is_marked() {
+    let policy = RetryPolicy::default().with_retry_at_one_layer(false);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = spawn_call(&mut svc, request()).await;
+    for _ in 0..3 {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(status(Code::Unavailable));
+    }
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(mark_of(&response), None);
+    assert_eq!(layer.metrics().marked(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_marked_failure_from_below_is_passed_up_unretried_and_counted() {
+    for mark_on in [true, false] {
+        let policy = RetryPolicy::default().with_retry_at_one_layer(mark_on);
+        let (mut svc, mut handle, layer) = setup(policy, budget());
+        let call = spawn_call(&mut svc, request()).await;
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(marked(Code::Unavailable));
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(code_of(&response), Code::Unavailable);
+        assert_eq!(mark_of(&response), Some("-1"), "the mark passes on up");
+        let m = layer.metrics();
+        assert_eq!(m.attempts(), 1, "not retried (mark {mark_on})");
+        assert_eq!(m.retried_below(), 1);
+        assert_eq!(
+            (m.refused_by_budget(), m.refused_by_deadline(), m.marked()),
+            (0, 0, 0),
+            "not a refusal of this layer's, nor a mark of its own"
+        );
+        assert_eq!(layer.budget().available(), 100.0, "no deposit, no token");
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert!(handle.next_request().now_or_never().is_none());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_final_code_with_a_mark_is_just_final() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(marked(Code::Aborted));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Aborted);
+    assert_eq!(layer.metrics().retried_below(), 0, "never retryable anyway");
+}
