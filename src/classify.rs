@@ -692,7 +692,15 @@ mod tests {
                 server_delay: Some(Duration::ZERO),
             }
         );
-        for junk in ["xxx", "", "1.5", "+5", "-", "--1", "99999999999999999999999"] {
+        for junk in [
+            "xxx",
+            "",
+            "1.5",
+            "+5",
+            "-",
+            "--1",
+            "99999999999999999999999",
+        ] {
             let h = headers(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", junk)]);
             assert_eq!(
                 judge(&h),

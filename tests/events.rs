@@ -80,3 +80,54 @@ async fn every_attempt_emits_one_event_with_its_numbers() {
     // One token paid for the retry, a tenth earned by the success.
     assert_eq!(get(attempts[1], "tokens").as_deref(), Some("99.1"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_event_says_when_a_layer_below_already_retried_and_when_this_one_marks() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let events = Events::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(events.clone()));
+
+    // A failure that a layer below gave up on: passed up, and said so.
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    let mut marked = status(Code::Unavailable);
+    marked.headers_mut().insert(
+        "grpc-retry-pushback-ms",
+        http::HeaderValue::from_static("-1"),
+    );
+    send.send_response(marked);
+    call.await.unwrap().unwrap();
+
+    // A failure this layer gives up on after retrying: marked, and said so.
+    let call = spawn_call(&mut svc, request()).await;
+    for _ in 0..3 {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(status(Code::Unavailable));
+    }
+    call.await.unwrap().unwrap();
+
+    let events = events.0.lock().unwrap().clone();
+    let get = |fields: &Fields, key: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    let attempts: Vec<_> = events
+        .iter()
+        .filter(|fields| fields.iter().any(|(k, _)| k == "attempt"))
+        .collect();
+    assert_eq!(attempts.len(), 4, "{events:?}");
+    assert_eq!(
+        get(attempts[0], "message").as_deref(),
+        Some("not retried: a layer below already retried")
+    );
+    assert_eq!(get(attempts[0], "marked").as_deref(), Some("false"));
+    assert_eq!(
+        get(attempts[3], "message").as_deref(),
+        Some("no attempts left")
+    );
+    assert_eq!(get(attempts[3], "marked").as_deref(), Some("true"));
+}
