@@ -34,6 +34,7 @@ use crate::body::ResponseBody;
 use crate::classify::{is_timeout, status_in};
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_at};
 use crate::metrics::Event;
+use crate::policy::RetryPolicy;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
 use crate::status::GRPC_STATUS;
@@ -119,21 +120,29 @@ pub(crate) struct Attempt<S, B, Bu> {
     limits: Limits,
     /// Whether to ask a balancer below to report each attempt's instance.
     report: bool,
+    /// The least time worth sending a retry with.
+    min_attempt_budget: Duration,
     _body: PhantomData<fn(B)>,
 }
 
 impl<S, B, Bu> Attempt<S, B, Bu> {
-    /// The attempts of one call, the first through `first`, which the
-    /// caller's `poll_ready` made ready if `ready`.
-    pub(crate) fn new(first: S, ready: bool, shared: Arc<Shared<Bu>>, limits: Limits) -> Self {
-        let report = shared.policy.instance_header.is_some();
+    /// The attempts of one call under `policy`, the first through `first`,
+    /// which the caller's `poll_ready` made ready if `ready`.
+    pub(crate) fn new(
+        first: S,
+        ready: bool,
+        shared: Arc<Shared<Bu>>,
+        policy: &RetryPolicy,
+        limits: Limits,
+    ) -> Self {
         Self {
             inner: first,
             first: true,
             ready,
             shared,
             limits,
-            report,
+            report: policy.instance_header.is_some(),
+            min_attempt_budget: policy.min_attempt_budget,
             _body: PhantomData,
         }
     }
@@ -150,6 +159,7 @@ impl<S: Clone, B, Bu> Clone for Attempt<S, B, Bu> {
             shared: Arc::clone(&self.shared),
             limits: self.limits,
             report: self.report,
+            min_attempt_budget: self.min_attempt_budget,
             _body: PhantomData,
         }
     }
@@ -195,7 +205,8 @@ where
                     .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
             }
             let future = self.inner.call(req.map(B::from));
-            return AttemptFuture::new(State::Called { future }, cut, deadline, None);
+            let state = State::Called { future };
+            return AttemptFuture::new(state, cut, deadline, None, Duration::ZERO);
         }
         // Wait for readiness under the timer; then a retry pays, and is sent.
         let service = if first {
@@ -209,7 +220,7 @@ where
             waiting: Box::new((service, Some(req))),
         };
         let retry = (!first).then(|| Arc::clone(&self.shared));
-        AttemptFuture::new(state, cut, deadline, retry)
+        AttemptFuture::new(state, cut, deadline, retry, self.min_attempt_budget)
     }
 }
 
@@ -230,6 +241,8 @@ pin_project! {
         // For a retry: the budget to pay from and the counters, at send time.
         // `None` for the first attempt.
         retry: Option<Arc<Shared<Bu>>>,
+        // The least time worth sending a retry with.
+        min_attempt_budget: Duration,
     }
 }
 
@@ -262,6 +275,7 @@ where
         cut: Option<(Instant, Cut)>,
         deadline: Option<Instant>,
         retry: Option<Arc<Shared<Bu>>>,
+        min_attempt_budget: Duration,
     ) -> Self {
         Self {
             state,
@@ -269,6 +283,7 @@ where
             cut,
             deadline,
             retry,
+            min_attempt_budget,
         }
     }
 
@@ -280,6 +295,7 @@ where
             None,
             None,
             None,
+            Duration::ZERO,
         )
     }
 }
@@ -311,7 +327,8 @@ where
                             let Some(mut req) = request.take() else {
                                 panic!("an attempt was polled after it was sent");
                             };
-                            match send(&mut req, *this.cut, *this.deadline, this.retry) {
+                            let limits = (*this.cut, *this.deadline, *this.min_attempt_budget);
+                            match send(&mut req, limits, this.retry) {
                                 Ok(()) => {
                                     let future = service.call(req.map(B::from));
                                     this.state.set(State::Called { future });
@@ -364,8 +381,7 @@ where
 /// is sent with the time left, and a retry is counted.
 fn send<B, Bu: Budget>(
     req: &mut Request<ReplayBody<B>>,
-    cut: Option<(Instant, Cut)>,
-    deadline: Option<Instant>,
+    (cut, deadline, min_attempt_budget): (Option<(Instant, Cut)>, Option<Instant>, Duration),
     retry: &Option<Arc<Shared<Bu>>>,
 ) -> Result<(), Failure> {
     if let Some((at, why)) = cut {
@@ -376,8 +392,8 @@ fn send<B, Bu: Budget>(
         }
         // Waiting for readiness may have used up the call's time: a retry
         // with less than the minimum attempt budget left cannot succeed.
-        if let (Some(shared), Some(deadline)) = (retry, deadline)
-            && deadline.saturating_duration_since(now) <= shared.policy.min_attempt_budget
+        if let (Some(_), Some(deadline)) = (retry, deadline)
+            && deadline.saturating_duration_since(now) <= min_attempt_budget
         {
             return Err(Failure::Cut {
                 why: Cut::Deadline,

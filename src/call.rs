@@ -28,6 +28,7 @@ use crate::classify::{
 };
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
 use crate::metrics::{Event, RetryMetrics};
+use crate::policy::RetryPolicy;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
 use crate::status::{GRPC_RETRY_PUSHBACK, code_name, status_response};
@@ -36,6 +37,8 @@ use crate::status::{GRPC_RETRY_PUSHBACK, code_name, status_response};
 /// call shares, and this call's own state.
 pub(crate) struct CallPolicy<Bu> {
     shared: Arc<Shared<Bu>>,
+    /// The call's policy, in `shared.policies`.
+    policy: usize,
     state: CallState,
 }
 
@@ -72,6 +75,7 @@ impl<Bu> Clone for CallPolicy<Bu> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
+            policy: self.policy,
             state: self.state.clone(),
         }
     }
@@ -82,11 +86,13 @@ impl<Bu> CallPolicy<Bu> {
     /// `tried` as tried.
     pub(crate) fn new(
         shared: Arc<Shared<Bu>>,
+        policy: usize,
         deadline: Option<Instant>,
         tried: AlreadyTried,
     ) -> Self {
         Self {
             shared,
+            policy,
             state: CallState {
                 deadline,
                 made: 1,
@@ -144,12 +150,13 @@ impl CallState {
     fn decide<Bu: Budget + 'static>(
         &mut self,
         shared: &Shared<Bu>,
+        policy: &RetryPolicy,
         verdict: Verdict,
         instance: Option<&HeaderValue>,
         replayable: bool,
         remaining: Option<Duration>,
     ) -> Decision {
-        let Shared { policy, budget, .. } = shared;
+        let budget = &shared.budget;
         if verdict.is_success() {
             Budget::deposit(budget);
             return Decision::Done("succeeded");
@@ -309,10 +316,11 @@ where
     ) -> Option<Backoff> {
         let shared = &*self.shared;
         let Shared {
-            policy,
+            policies,
             budget,
             metrics,
         } = shared;
+        let policy = policies.get(self.policy);
         let state = &mut self.state;
         // Read only where an event is recorded: a lookup of a custom header
         // name hashes it byte by byte.
@@ -396,6 +404,7 @@ where
         };
         let decision = state.decide(
             shared,
+            policy,
             verdict,
             failed_instance,
             req.body().is_replayable(),

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use tower_layer::Layer;
 
 use crate::budget::RetryBudget;
+use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
 use crate::policy::RetryPolicy;
 use crate::service::RetryService;
@@ -23,8 +24,10 @@ pub struct RetryLayer<Bu = RetryBudget> {
 impl RetryLayer {
     /// A layer retrying by `policy`, paying for each retry from `budget`.
     ///
-    /// Give several layers clones of one budget to make them share it.
-    pub fn new(policy: RetryPolicy, budget: RetryBudget) -> Self {
+    /// `policy` is one [`RetryPolicy`] for every method, or
+    /// [`MethodPolicies`] choosing one per method. Give several layers clones
+    /// of one budget to make them share it.
+    pub fn new(policy: impl Into<MethodPolicies>, budget: RetryBudget) -> Self {
         Self::with_budget(policy, budget)
     }
 }
@@ -35,15 +38,21 @@ impl<Bu> RetryLayer<Bu> {
     /// The layer deposits on each successful call and withdraws once per
     /// retry, as with [`RetryBudget`]; only a [`RetryBudget`]'s balance shows in
     /// the layer's tracing events.
-    pub fn with_budget(policy: RetryPolicy, budget: Bu) -> Self {
+    pub fn with_budget(policy: impl Into<MethodPolicies>, budget: Bu) -> Self {
         Self {
-            shared: Shared::new(policy, budget),
+            shared: Shared::new(policy.into(), budget),
         }
     }
 
-    /// The policy in use.
+    /// The default policy: the only one, unless the layer was given
+    /// [`MethodPolicies`].
     pub fn policy(&self) -> &RetryPolicy {
-        &self.shared.policy
+        self.shared.policies.default_policy()
+    }
+
+    /// The policies by method.
+    pub fn policies(&self) -> &MethodPolicies {
+        &self.shared.policies
     }
 
     /// The budget retries are paid from; a [`RetryBudget`]'s
@@ -78,7 +87,7 @@ impl<S, Bu> Layer<S> for RetryLayer<Bu> {
 impl<Bu: fmt::Debug> fmt::Debug for RetryLayer<Bu> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLayer")
-            .field("policy", &self.shared.policy)
+            .field("policies", &self.shared.policies)
             .field("budget", &self.shared.budget)
             .field("metrics", &self.shared.metrics)
             .finish()

@@ -193,6 +193,7 @@ pub mod fault;
 pub mod future;
 mod layer;
 mod marks;
+mod methods;
 mod metrics;
 mod policy;
 pub mod replay;
@@ -208,6 +209,7 @@ pub use marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, MAX_INSTANCE_ID_LEN,
     MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance, RetryMarkExt,
 };
+pub use methods::MethodPolicies;
 pub use metrics::RetryMetrics;
 pub use policy::{DEFAULT_MAX_SERVER_DELAY, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
 pub use replay::{ReplayBody, ReplayError};

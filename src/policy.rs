@@ -98,9 +98,11 @@ impl fmt::Debug for RetryableCodes {
 /// |---|---|
 /// | `max_attempts` (first attempt included) | 3 |
 /// | `base_delay` / `max_delay` | 20 ms / 500 ms |
+/// | backoff multiplier | 2 |
 /// | `jitter` (± fraction) | 0.20 |
 /// | retryable codes | `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` |
 /// | total timeout (without `grpc-timeout`) | none |
+/// | longest timeout (caps the caller's deadline) | none |
 /// | per-attempt timeout | none |
 /// | minimum attempt budget | 20 ms |
 /// | longest server-given delay waited for | 30 s |
@@ -129,9 +131,11 @@ pub struct RetryPolicy {
     pub(crate) max_attempts: u32,
     pub(crate) base_delay: Duration,
     pub(crate) max_delay: Duration,
+    pub(crate) multiplier: f64,
     pub(crate) jitter: f64,
     pub(crate) retryable: RetryableCodes,
     pub(crate) total_timeout: Option<Duration>,
+    pub(crate) max_timeout: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) min_attempt_budget: Duration,
     pub(crate) max_server_delay: Duration,
@@ -180,9 +184,11 @@ impl RetryPolicy {
             max_attempts,
             base_delay,
             max_delay,
+            multiplier: 2.0,
             jitter,
             retryable: RetryableCodes::default(),
             total_timeout: None,
+            max_timeout: None,
             attempt_timeout: None,
             min_attempt_budget: Duration::from_millis(20),
             max_server_delay: DEFAULT_MAX_SERVER_DELAY,
@@ -191,6 +197,47 @@ impl RetryPolicy {
             instance_header: Some(crate::marks::INSTANCE_ID),
             retry_at_one_layer: true,
         })
+    }
+
+    /// A policy that never retries: one attempt, no idempotency key generated,
+    /// no instance ids learned. A call under it passes through the layer with
+    /// only its deadline applied (see [`MethodPolicies`](crate::MethodPolicies),
+    /// where it is the default for methods without a policy).
+    pub fn no_retry() -> Self {
+        let mut policy = Self::new(1, Duration::ZERO, Duration::ZERO, 0.0)
+            .expect("one attempt and no delays are valid");
+        policy.idempotency_key = false;
+        policy.instance_header = None;
+        policy
+    }
+
+    /// Grows the backoff by `multiplier` per retry instead of 2 (gRPC's
+    /// `backoffMultiplier`): retry `k` waits
+    /// `min(base_delay · multiplier^(k-1), max_delay) · (1 ± jitter)`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming `backoff_multiplier` unless it is a finite
+    /// number greater than 0.
+    pub fn with_backoff_multiplier(mut self, multiplier: f64) -> Result<Self, ConfigError> {
+        if !(multiplier.is_finite() && multiplier > 0.0) {
+            return Err(ConfigError::new(
+                "backoff_multiplier",
+                format!("must be a finite number greater than 0, got {multiplier}"),
+            ));
+        }
+        self.multiplier = multiplier;
+        Ok(self)
+    }
+
+    /// The longest a call may take: its deadline is the sooner of the
+    /// caller's (`grpc-timeout`, or [`with_total_timeout`](Self::with_total_timeout))
+    /// and `timeout` from the start of the call, as gRPC service config's
+    /// per-method `timeout` caps the application's deadline.
+    #[must_use]
+    pub fn with_max_timeout(mut self, timeout: Duration) -> Self {
+        self.max_timeout = Some(timeout);
+        self
     }
 
     /// The codes that may be retried (see [`RetryableCodes`]).
@@ -301,6 +348,41 @@ impl RetryPolicy {
         self.max_attempts
     }
 
+    /// The backoff before the first retry.
+    pub fn base_delay(&self) -> Duration {
+        self.base_delay
+    }
+
+    /// The longest backoff.
+    pub fn max_delay(&self) -> Duration {
+        self.max_delay
+    }
+
+    /// How much the backoff grows per retry.
+    pub fn backoff_multiplier(&self) -> f64 {
+        self.multiplier
+    }
+
+    /// The jitter, as a fraction of each backoff.
+    pub fn jitter(&self) -> f64 {
+        self.jitter
+    }
+
+    /// The codes that may be retried.
+    pub fn retryable_codes(&self) -> RetryableCodes {
+        self.retryable
+    }
+
+    /// The longest a call may take, if capped (see [`with_max_timeout`](Self::with_max_timeout)).
+    pub fn max_timeout(&self) -> Option<Duration> {
+        self.max_timeout
+    }
+
+    /// The per-attempt timeout, if any.
+    pub fn attempt_timeout(&self) -> Option<Duration> {
+        self.attempt_timeout
+    }
+
     /// The backoff before retry `retry` (1 for the first retry), with a fresh
     /// random jitter on every call.
     ///
@@ -316,13 +398,20 @@ impl RetryPolicy {
 
     /// The delay before retry `retry` for a given jitter factor `1 + u`.
     pub(crate) fn jittered(&self, retry: u32, factor: f64) -> Duration {
-        // 2^31 times any non-zero delay already exceeds any sane `max_delay`;
-        // saturating keeps even `Duration::MAX` settings from overflowing.
-        let shift = retry.saturating_sub(1).min(31);
-        let raw = self
-            .base_delay
-            .saturating_mul(1 << shift)
-            .min(self.max_delay);
+        let steps = retry.saturating_sub(1);
+        let raw = if self.multiplier == 2.0 {
+            // 2^31 times any non-zero delay already exceeds any sane
+            // `max_delay`; saturating keeps even `Duration::MAX` settings from
+            // overflowing, and the doubling stays exact.
+            self.base_delay
+                .saturating_mul(1 << steps.min(31))
+                .min(self.max_delay)
+        } else {
+            let steps = i32::try_from(steps).unwrap_or(i32::MAX);
+            let grown = self.base_delay.as_secs_f64() * self.multiplier.powi(steps);
+            // Too large (or infinite) to be a `Duration` is past any maximum.
+            Duration::try_from_secs_f64(grown).map_or(self.max_delay, |d| d.min(self.max_delay))
+        };
         Duration::try_from_secs_f64(raw.as_secs_f64() * factor).unwrap_or(raw)
     }
 }
@@ -421,6 +510,33 @@ mod tests {
             distinct.len() > 8,
             "draws within one sequence repeat: {seq_a:?}"
         );
+    }
+
+    #[test]
+    fn the_multiplier_grows_the_backoff_and_is_validated() {
+        let p = RetryPolicy::new(5, 100 * MS, Duration::from_secs(1), 0.0)
+            .unwrap()
+            .with_backoff_multiplier(1.5)
+            .unwrap();
+        let got: Vec<_> = (1..=6).map(|k| p.delay_before(k).as_micros()).collect();
+        assert_eq!(got, [100_000, 150_000, 225_000, 337_500, 506_250, 759_375]);
+        assert_eq!(p.delay_before(u32::MAX), Duration::from_secs(1), "capped");
+        let shrinking = p.clone().with_backoff_multiplier(0.5).unwrap();
+        assert_eq!(shrinking.delay_before(3), 25 * MS);
+        assert_eq!(shrinking.delay_before(u32::MAX), Duration::ZERO);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = p.clone().with_backoff_multiplier(bad).unwrap_err();
+            assert_eq!(e.field(), "backoff_multiplier");
+        }
+        assert_eq!(RetryPolicy::default().backoff_multiplier(), 2.0);
+    }
+
+    #[test]
+    fn no_retry_is_one_attempt_and_touches_nothing() {
+        let p = RetryPolicy::no_retry();
+        assert_eq!(p.max_attempts(), 1);
+        assert!(!p.idempotency_key);
+        assert!(p.instance_header.is_none());
     }
 
     #[test]

@@ -21,8 +21,8 @@ use crate::future::ResponseFuture;
 use crate::marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, new_idempotency_key,
 };
+use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
-use crate::policy::RetryPolicy;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
 
@@ -58,16 +58,17 @@ pub struct RetryService<S, Bu = RetryBudget> {
 }
 
 impl<S> RetryService<S> {
-    /// Wraps `inner`, retrying by `policy` and paying from `budget`.
-    pub fn new(inner: S, policy: RetryPolicy, budget: RetryBudget) -> Self {
+    /// Wraps `inner`, retrying by `policy` (one [`RetryPolicy`](crate::RetryPolicy),
+    /// or [`MethodPolicies`]) and paying from `budget`.
+    pub fn new(inner: S, policy: impl Into<MethodPolicies>, budget: RetryBudget) -> Self {
         Self::with_budget(inner, policy, budget)
     }
 }
 
 impl<S, Bu> RetryService<S, Bu> {
     /// Wraps `inner`, paying for retries from any `tower` retry budget.
-    pub fn with_budget(inner: S, policy: RetryPolicy, budget: Bu) -> Self {
-        Self::from_shared(inner, Shared::new(policy, budget))
+    pub fn with_budget(inner: S, policy: impl Into<MethodPolicies>, budget: Bu) -> Self {
+        Self::from_shared(inner, Shared::new(policy.into(), budget))
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared<Bu>>) -> Self {
@@ -143,8 +144,9 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let policy = &self.shared.policy;
         let (mut parts, body) = req.into_parts();
+        let index = self.shared.policies.lookup(parts.uri.path());
+        let policy = self.shared.policies.get(index);
 
         // One pass over the caller's headers finds what the layer reads or
         // owns: custom header names are hashed byte by byte, so a lookup
@@ -169,6 +171,12 @@ where
         let timeout = timeout
             .and_then(parse_grpc_timeout)
             .or(policy.total_timeout);
+        // A per-method limit caps the caller's deadline, as gRPC's service
+        // config `timeout` does.
+        let timeout = match (timeout, policy.max_timeout) {
+            (Some(t), Some(max)) => Some(t.min(max)),
+            (t, max) => t.or(max),
+        };
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
 
         match key {
@@ -206,8 +214,8 @@ where
             deadline,
             attempt_timeout: policy.attempt_timeout,
         };
-        let attempt = Attempt::new(first, ready, Arc::clone(&self.shared), limits);
-        let call = CallPolicy::new(Arc::clone(&self.shared), deadline, tried);
+        let attempt = Attempt::new(first, ready, Arc::clone(&self.shared), policy, limits);
+        let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried);
         ResponseFuture::new(Retry::new(call, attempt).call(req))
     }
 }
@@ -244,7 +252,7 @@ impl<S: fmt::Debug, Bu: fmt::Debug> fmt::Debug for RetryService<S, Bu> {
         f.debug_struct("RetryService")
             .field("inner", &self.inner)
             .field("ready", &self.ready)
-            .field("policy", &self.shared.policy)
+            .field("policies", &self.shared.policies)
             .field("budget", &self.shared.budget)
             .finish()
     }

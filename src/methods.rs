@@ -1,0 +1,291 @@
+//! Retry policies by gRPC method.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::error::ConfigError;
+use crate::policy::RetryPolicy;
+
+/// Retry policies chosen by the request's gRPC method, as gRPC's service
+/// config chooses them: the method's own policy, else its service's, else the
+/// default.
+///
+/// The method comes from the request path, `/package.Service/Method`. A
+/// method with no policy of its own, in a service with none, gets the
+/// default; a table made with [`MethodPolicies::new`] has
+/// [`RetryPolicy::no_retry`] as its default, so such a method passes through
+/// unretried — its deadline still applies.
+///
+/// A single [`RetryPolicy`] converts into a table where it is the default for
+/// every method, which is what [`RetryLayer::new`](crate::RetryLayer::new)
+/// takes it as.
+///
+/// Looking a request up costs two hash lookups of slices of its path, and no
+/// allocation; a table with no per-service or per-method entries costs none.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use tonic_retry::{MethodPolicies, RetryBudget, RetryLayer, RetryPolicy};
+///
+/// # fn main() -> Result<(), tonic_retry::ConfigError> {
+/// let reads = RetryPolicy::new(5, Duration::from_millis(20), Duration::from_millis(500), 0.2)?;
+/// let writes = RetryPolicy::new(2, Duration::from_millis(50), Duration::from_millis(500), 0.2)?;
+/// let policies = MethodPolicies::new()
+///     .with_service("library.v1.Library", reads)?
+///     .with_method("library.v1.Library", "ReserveStock", writes)?
+///     .with_method("library.v1.Library", "DeleteShelf", RetryPolicy::no_retry())?;
+/// assert_eq!(policies.policy_for("/library.v1.Library/GetBook").max_attempts(), 5);
+/// assert_eq!(policies.policy_for("/library.v1.Library/ReserveStock").max_attempts(), 2);
+/// assert_eq!(policies.policy_for("/library.v1.Library/DeleteShelf").max_attempts(), 1);
+/// assert_eq!(policies.policy_for("/other.v1.Catalog/Search").max_attempts(), 1);
+///
+/// let layer = RetryLayer::new(policies, RetryBudget::new(200, 0.1)?);
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct MethodPolicies {
+    /// Every policy in the table; the default is the first.
+    policies: Vec<RetryPolicy>,
+    /// `package.Service/Method` → index.
+    methods: HashMap<Box<str>, usize>,
+    /// `package.Service` → index.
+    services: HashMap<Box<str>, usize>,
+}
+
+/// The index of the default policy.
+const DEFAULT: usize = 0;
+
+impl MethodPolicies {
+    /// A table whose default is [`RetryPolicy::no_retry`]: only the services
+    /// and methods given a policy are retried.
+    pub fn new() -> Self {
+        Self::with_default(RetryPolicy::no_retry())
+    }
+
+    /// A table whose default is `policy`.
+    pub fn with_default(policy: RetryPolicy) -> Self {
+        Self {
+            policies: vec![policy],
+            methods: HashMap::new(),
+            services: HashMap::new(),
+        }
+    }
+
+    /// Gives every method of `service` (`package.Service`) `policy`, unless
+    /// the method has its own.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] if `service` is empty, contains `/`, or already has a
+    /// policy.
+    pub fn with_service(mut self, service: &str, policy: RetryPolicy) -> Result<Self, ConfigError> {
+        check_name("service", service)?;
+        if self.services.contains_key(service) {
+            return Err(ConfigError::new(
+                "service",
+                format!("{service:?} is given a policy twice"),
+            ));
+        }
+        let index = self.push(policy);
+        self.services.insert(service.into(), index);
+        Ok(self)
+    }
+
+    /// Gives `method` of `service` (`package.Service`, `Method`) `policy`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] if `service` or `method` is empty or contains `/`, or
+    /// the method already has a policy.
+    pub fn with_method(
+        mut self,
+        service: &str,
+        method: &str,
+        policy: RetryPolicy,
+    ) -> Result<Self, ConfigError> {
+        check_name("service", service)?;
+        check_name("method", method)?;
+        let path = format!("{service}/{method}");
+        if self.methods.contains_key(path.as_str()) {
+            return Err(ConfigError::new(
+                "method",
+                format!("{path:?} is given a policy twice"),
+            ));
+        }
+        let index = self.push(policy);
+        self.methods.insert(path.into(), index);
+        Ok(self)
+    }
+
+    /// The default policy: for methods of services that have no entry.
+    pub fn default_policy(&self) -> &RetryPolicy {
+        &self.policies[DEFAULT]
+    }
+
+    /// The policy for a request to `path` (`/package.Service/Method`).
+    pub fn policy_for(&self, path: &str) -> &RetryPolicy {
+        &self.policies[self.lookup(path)]
+    }
+
+    /// The index of the policy for `path`. Allocates nothing; a table of one
+    /// default policy does not even read the path.
+    pub(crate) fn lookup(&self, path: &str) -> usize {
+        if self.methods.is_empty() && self.services.is_empty() {
+            return DEFAULT;
+        }
+        let full = path.strip_prefix('/').unwrap_or(path);
+        if let Some(&index) = self.methods.get(full) {
+            return index;
+        }
+        let service = full.rsplit_once('/').map_or(full, |(service, _)| service);
+        self.services.get(service).copied().unwrap_or(DEFAULT)
+    }
+
+    /// The policy at `index`, as [`lookup`](Self::lookup) gave it.
+    pub(crate) fn get(&self, index: usize) -> &RetryPolicy {
+        &self.policies[index]
+    }
+
+    fn push(&mut self, policy: RetryPolicy) -> usize {
+        self.policies.push(policy);
+        self.policies.len() - 1
+    }
+}
+
+fn check_name(field: &'static str, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.contains('/') {
+        return Err(ConfigError::new(
+            field,
+            format!("must be a non-empty name without '/', got {name:?}"),
+        ));
+    }
+    Ok(())
+}
+
+impl Default for MethodPolicies {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl From<RetryPolicy> for MethodPolicies {
+    /// A table where `policy` is the default for every method.
+    fn from(policy: RetryPolicy) -> Self {
+        Self::with_default(policy)
+    }
+}
+
+impl fmt::Debug for MethodPolicies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut services: Vec<_> = self.services.iter().collect();
+        services.sort();
+        let mut methods: Vec<_> = self.methods.iter().collect();
+        methods.sort();
+        f.debug_struct("MethodPolicies")
+            .field("default", self.default_policy())
+            .field(
+                "services",
+                &services
+                    .into_iter()
+                    .map(|(name, &i)| (name, &self.policies[i]))
+                    .collect::<Vec<_>>(),
+            )
+            .field(
+                "methods",
+                &methods
+                    .into_iter()
+                    .map(|(name, &i)| (name, &self.policies[i]))
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn attempts(n: u32) -> RetryPolicy {
+        RetryPolicy::new(n, Duration::ZERO, Duration::ZERO, 0.0).unwrap()
+    }
+
+    #[test]
+    fn the_most_specific_entry_wins() {
+        let table = MethodPolicies::with_default(attempts(2))
+            .with_service("a.S", attempts(3))
+            .unwrap()
+            .with_method("a.S", "M", attempts(4))
+            .unwrap();
+        assert_eq!(
+            table.policy_for("/a.S/M").max_attempts(),
+            4,
+            "the method's own"
+        );
+        assert_eq!(
+            table.policy_for("/a.S/Other").max_attempts(),
+            3,
+            "its service's"
+        );
+        assert_eq!(table.policy_for("/b.S/M").max_attempts(), 2, "the default");
+        for odd in [
+            "",
+            "/",
+            "//",
+            "a.S",
+            "/a.S",
+            "/a.S/",
+            "/a.S/M/extra",
+            "no-slash",
+        ] {
+            let _ = table.policy_for(odd); // never panics
+        }
+        assert_eq!(table.policy_for("/a.S/").max_attempts(), 3);
+        assert_eq!(
+            table.policy_for("a.S/M").max_attempts(),
+            4,
+            "a path without '/'"
+        );
+    }
+
+    #[test]
+    fn an_empty_table_passes_everything_through() {
+        let table = MethodPolicies::new();
+        assert_eq!(table.policy_for("/a.S/M").max_attempts(), 1);
+        assert_eq!(table.lookup("/a.S/M"), DEFAULT);
+        let single: MethodPolicies = attempts(3).into();
+        assert_eq!(single.policy_for("/anything/At").max_attempts(), 3);
+    }
+
+    #[test]
+    fn bad_and_repeated_names_are_errors() {
+        let e = MethodPolicies::new()
+            .with_service("", attempts(2))
+            .unwrap_err();
+        assert_eq!(e.field(), "service");
+        let e = MethodPolicies::new()
+            .with_method("a.S", "", attempts(2))
+            .unwrap_err();
+        assert_eq!(e.field(), "method");
+        let e = MethodPolicies::new()
+            .with_method("a/S", "M", attempts(2))
+            .unwrap_err();
+        assert_eq!(e.field(), "service");
+        let e = MethodPolicies::new()
+            .with_service("a.S", attempts(2))
+            .unwrap()
+            .with_service("a.S", attempts(3))
+            .unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
+        let e = MethodPolicies::new()
+            .with_method("a.S", "M", attempts(2))
+            .unwrap()
+            .with_method("a.S", "M", attempts(3))
+            .unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
+    }
+}
