@@ -20,7 +20,7 @@ use tonic::Code;
 use tower::retry::Policy;
 use tower::retry::budget::Budget;
 
-use crate::attempt::Failure;
+use crate::attempt::{Cut, Failure};
 use crate::body::ResponseBody;
 use crate::budget;
 use crate::classify::{
@@ -105,6 +105,19 @@ impl<Bu> CallPolicy<Bu> {
     }
 }
 
+/// What one attempt told the call, for the decision after it.
+struct Outcome<'a> {
+    verdict: Verdict,
+    /// The instance a failed attempt went to, if known.
+    instance: Option<&'a HeaderValue>,
+    /// Whether the request body can still be sent again.
+    replayable: bool,
+    /// Time left before the call's deadline, if it has one.
+    remaining: Option<Duration>,
+    /// A retry found no time left to be sent.
+    out_of_time: bool,
+}
+
 /// What to do after one attempt.
 #[derive(Clone, Copy, Debug)]
 enum Decision {
@@ -151,12 +164,24 @@ impl CallState {
         &mut self,
         shared: &Shared<Bu>,
         policy: &RetryPolicy,
-        verdict: Verdict,
-        instance: Option<&HeaderValue>,
-        replayable: bool,
-        remaining: Option<Duration>,
+        outcome: Outcome<'_>,
     ) -> Decision {
+        let Outcome {
+            verdict,
+            instance,
+            replayable,
+            remaining,
+            out_of_time,
+        } = outcome;
         let budget = &shared.budget;
+        if out_of_time {
+            // A retry found no time left to be sent: refused by the deadline,
+            // whatever attempts were left.
+            return Decision::NoTime {
+                left: remaining.unwrap_or_default(),
+                delay: Duration::ZERO,
+            };
+        }
         if verdict.is_success() {
             Budget::deposit(budget);
             return Decision::Done("succeeded");
@@ -214,7 +239,7 @@ impl CallState {
             },
             Err(Failure::Transport(error)) => Last::Status {
                 code: Code::Unavailable,
-                message: no_response_message(self.made, &describe(&**error)),
+                message: no_response_message(self.sent, &describe(&**error)),
             },
             Err(Failure::Cut { why, sent: true }) => Last::Status {
                 code: Code::DeadlineExceeded,
@@ -251,6 +276,20 @@ impl CallState {
                 response
             }
             Last::Status { code, message } => status_response(code, message),
+        }
+    }
+
+    /// What the caller is told the call ended with: the last attempt sent,
+    /// numbered among the attempts sent, with its code — `current` if the
+    /// attempt just judged was sent, else the one before. An attempt cut
+    /// before it could be sent answered nothing.
+    fn ended_with(&self, current: Option<&'static str>) -> String {
+        match current {
+            Some(name) => format!("attempt {} ended with {name}", self.sent),
+            None if self.sent > 0 => {
+                format!("attempt {} ended with {}", self.sent, self.last_code())
+            }
+            None => "no attempt could be sent in time".to_owned(),
         }
     }
 
@@ -358,11 +397,7 @@ where
                     key = key(req),
                     "retry budget exhausted"
                 );
-                let message = format!(
-                    "retry budget exhausted; attempt {} ended with {}",
-                    state.made - 1,
-                    state.last_code()
-                );
+                let message = format!("retry budget exhausted; {}", state.ended_with(None));
                 let mut response = status_response(Code::ResourceExhausted, message);
                 if policy.retry_at_one_layer {
                     mark_given_up(&mut response, metrics);
@@ -402,14 +437,21 @@ where
             Verdict::Retryable { .. } => instance(result, header, picked.as_ref()),
             _ => None,
         };
-        let decision = state.decide(
-            shared,
-            policy,
-            verdict,
-            failed_instance,
-            req.body().is_replayable(),
-            remaining,
+        let out_of_time = matches!(
+            result,
+            Err(Failure::Cut {
+                why: Cut::Deadline,
+                sent: false
+            })
         );
+        let outcome = Outcome {
+            verdict,
+            instance: failed_instance,
+            replayable: req.body().is_replayable(),
+            remaining,
+            out_of_time,
+        };
+        let decision = state.decide(shared, policy, outcome);
         let attempt = state.made;
         let name = code_name(verdict.code());
         // Retry at one layer: a call given up on after retrying, or refused a
@@ -423,18 +465,8 @@ where
                 }
                 Decision::Retry { .. } => false,
             };
-        // What the caller is told the call ended with: the last attempt sent
-        // (an attempt cut before it could be sent answered nothing).
         // Written only when the call ends on the layer's own decision.
-        let ended_with = |state: &CallState| {
-            if sent {
-                format!("attempt {attempt} ended with {name}")
-            } else if state.sent > 0 {
-                format!("attempt {} ended with {}", state.sent, state.last_code())
-            } else {
-                "no attempt could be sent in time".to_owned()
-            }
-        };
+        let ended_with = |state: &CallState| state.ended_with(sent.then_some(name));
         tracing::debug!(
             attempt,
             code = name,
@@ -453,7 +485,7 @@ where
         match decision {
             Decision::Done(_) => {
                 if verdict != Verdict::Committed {
-                    finish(result, attempt);
+                    finish(result, state);
                 }
                 if marked && let Ok(response) = result {
                     mark_given_up(response, metrics);
@@ -539,12 +571,22 @@ fn mark_given_up<RB>(response: &mut Response<ResponseBody<RB>>, metrics: &RetryM
 
 /// Last touches on an outcome handed to the caller as it is (a committed
 /// response needs none: its status comes in trailers, repaired by its body).
-fn finish<RB>(result: &mut Result<Response<ResponseBody<RB>>, Failure>, attempt: u32) {
+fn finish<RB>(result: &mut Result<Response<ResponseBody<RB>>, Failure>, state: &CallState) {
     match result {
         Ok(response) => {
             repair_status_details(response.headers_mut());
         }
-        Err(failure) => *result = Ok(failure_response(failure, attempt)),
+        // An attempt cut before it was sent answered nothing: say what the
+        // last one sent did.
+        Err(Failure::Cut { why, sent: false }) => {
+            let message = format!(
+                "{} before it could be sent; {}",
+                why.message(),
+                state.ended_with(None)
+            );
+            *result = Ok(status_response(Code::DeadlineExceeded, message));
+        }
+        Err(failure) => *result = Ok(failure_response(failure, state.sent)),
     }
 }
 

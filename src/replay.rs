@@ -134,6 +134,8 @@ pub enum ReplayError {
     SourceFailed,
     /// The call could no longer be retried, so its copy was released.
     Released,
+    /// A later attempt of the call is reading the body: this one is over.
+    Superseded,
 }
 
 impl fmt::Display for ReplayError {
@@ -144,6 +146,7 @@ impl fmt::Display for ReplayError {
             ReplayError::Released => {
                 "the call could no longer be retried, so its copy of the request body was released"
             }
+            ReplayError::Superseded => "a later attempt of the call is sending the request body",
         })
     }
 }
@@ -345,8 +348,12 @@ where
         let mut guard = this.shared.lock().unwrap_or_else(PoisonError::into_inner);
         let shared = &mut *guard;
 
-        // Once no retry can follow, only the live attempt reads: an earlier
-        // attempt's stream must not take chunks from it.
+        // An earlier attempt's stream, still pulled after a later attempt was
+        // sent, must not take chunks from it (nor push the copy over its cap).
+        if this.epoch != UNSENT && this.epoch < shared.live {
+            return Poll::Ready(Some(Err(ReplayError::Superseded.into())));
+        }
+        // Once no retry can follow, only the live attempt reads.
         if shared.only.is_some_and(|only| only != this.epoch) {
             return Poll::Ready(Some(Err(ReplayError::Released.into())));
         }

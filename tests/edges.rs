@@ -22,7 +22,9 @@ use tonic::Code;
 use tonic::body::Body;
 use tonic_retry::balance::PreferUntried;
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tower::retry::budget::TpsBudget;
 use tower::{BoxError, Layer, Service, ServiceExt};
+use tower_test::mock;
 
 use support::*;
 
@@ -597,4 +599,514 @@ async fn a_callers_full_mark_still_names_the_instance_that_failed_here() {
         mark.split(',').any(|id| id == "a"),
         "the retry may go straight back to the instance that just failed: {mark}"
     );
+}
+
+// ---------------------------------------------------------------------------
+// Attempts refused before they were sent, the live attempt's replay, timers
+// below a millisecond, the balancer through the layer
+// ---------------------------------------------------------------------------
+
+/// tower's own budget with no reserve and no deposits: every `withdraw` is
+/// refused, and the layer only learns it when a retry is sent.
+fn empty_tps() -> TpsBudget {
+    TpsBudget::new(Duration::from_secs(10), 0, 0.0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_budget_at_send_after_an_unsent_first_attempt_names_a_phantom_attempt() {
+    let layer = RetryLayer::with_budget(policy(3).with_attempt_timeout(100 * MS), empty_tps());
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    handle.allow(0);
+    let mut svc = layer.layer(inner);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    // The first attempt is cut unsent at 100 ms; the retry waits 16..24 ms.
+    tokio::time::sleep(110 * MS).await;
+    handle.allow(1);
+    let response = bounded(call).await.unwrap().unwrap();
+    let message = message_of(&response);
+    assert_eq!(code_of(&response), Code::ResourceExhausted, "{message}");
+    assert_eq!(layer.metrics().attempts(), 0, "nothing was sent");
+    assert!(
+        !message.contains("attempt 1 ended with"),
+        "no attempt was sent, yet the caller reads: {message:?}"
+    );
+}
+
+/// Attempt 1 is sent and fails UNAVAILABLE; attempt 2 is cut before it is
+/// sent; attempt 3 is refused by the budget at send time. The message names
+/// attempt 2 — which was never sent — as the one that ended with UNAVAILABLE.
+#[tokio::test(start_paused = true)]
+async fn no_budget_at_send_names_an_attempt_that_was_never_sent() {
+    let layer = RetryLayer::with_budget(policy(3).with_attempt_timeout(100 * MS), empty_tps());
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, send, t0) = next(&mut handle).await;
+    handle.allow(0);
+    send.send_response(status(Code::Unavailable));
+    // Attempt 2 starts at 16..24 ms, waits for readiness and is cut unsent at
+    // 116..124 ms; attempt 3 starts 32..48 ms later (148..172 ms).
+    tokio::time::sleep_until(t0 + 135 * MS).await;
+    handle.allow(1);
+    let response = bounded(call).await.unwrap().unwrap();
+    let message = message_of(&response);
+    assert_eq!(code_of(&response), Code::ResourceExhausted, "{message}");
+    assert_eq!(layer.metrics().attempts(), 1, "only attempt 1 was sent");
+    assert!(
+        message.contains("attempt 1 ended with UNAVAILABLE"),
+        "the last attempt sent was attempt 1; the caller reads: {message:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// §3 / §10: the last retry refused at send time for lack of time
+// ---------------------------------------------------------------------------
+
+/// One failed attempt (UNAVAILABLE), then its retry finds the service ready
+/// only when 15 ms are left (<= min_attempt_budget, 20 ms): it is not sent.
+/// With max_attempts = 3 the layer says "no time left for another attempt …
+/// attempt 1 ended with UNAVAILABLE" and counts `refused_by_deadline`. With
+/// max_attempts = 2 the very same situation (the refused retry is simply the
+/// last allowed one) says "call deadline exceeded" 15 ms before the deadline,
+/// names no attempt code, and counts nothing.
+#[tokio::test(start_paused = true)]
+async fn last_retry_refused_for_time_at_send_is_not_counted_nor_named() {
+    async fn run(attempts: u32) -> (String, u64, Duration) {
+        let (mut svc, mut handle, layer) = setup(policy(attempts), budget());
+        let start = Instant::now();
+        let call = spawn_call(&mut svc, with_timeout(request(), "100m")).await;
+        let (_, send, _) = next(&mut handle).await;
+        handle.allow(0);
+        send.send_response(status(Code::Unavailable));
+        // The retry waits for readiness from ~20 ms; ready at 85 ms.
+        tokio::time::sleep_until(start + 85 * MS).await;
+        handle.allow(1);
+        let response = bounded(call).await.unwrap().unwrap();
+        assert_eq!(code_of(&response), Code::DeadlineExceeded);
+        assert_eq!(layer.metrics().retries(), 0, "not sent");
+        (
+            message_of(&response),
+            layer.metrics().refused_by_deadline(),
+            start.elapsed(),
+        )
+    }
+    // Control: a retry left after this one.
+    let (message, refused, at) = run(3).await;
+    assert_eq!(at, 85 * MS);
+    assert!(
+        message.contains("attempt 1 ended with UNAVAILABLE"),
+        "{message}"
+    );
+    assert_eq!(refused, 1);
+    // The refused retry is the last one allowed.
+    let (message, refused, at) = run(2).await;
+    assert_eq!(at, 85 * MS, "ended 15 ms before its deadline");
+    assert!(
+        message.contains("UNAVAILABLE") && refused == 1,
+        "the last retry, refused for lack of time, reads {message:?} and refused_by_deadline = {refused}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// §7 / §7a: the live attempt's replay
+// ---------------------------------------------------------------------------
+
+/// Attempt 1 fails (Trailers-Only UNAVAILABLE) while its transport still
+/// pulls its request body (hyper's pipe runs until the server's RST_STREAM —
+/// the hazard tests/edges.rs models for the last attempt). Attempt 2 is live
+/// and mid-replay, but not the last attempt, so no release has happened yet:
+/// the dead clone's late read pushes the body over the replay limit, the copy
+/// is dropped, and the *live* attempt's body fails with `Capped` — the call
+/// fails although the body would have been delivered whole by attempt 2.
+#[tokio::test(start_paused = true)]
+async fn a_dead_attempts_late_read_breaks_the_live_attempt_over_the_cap() {
+    let (mut svc, mut handle, _) = setup(policy(3).with_replay_limit(8), budget());
+    let (tx, req) = streaming_request();
+    let call = spawn_call(&mut svc, req).await;
+
+    let (req1, send1, _) = next(&mut handle).await;
+    let mut body1 = req1.into_body();
+    tx.send(data("1234")).unwrap();
+    assert_eq!(
+        body1.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "1234"
+    );
+    send1.send_response(status(Code::Unavailable));
+
+    let (req2, send2, _) = next(&mut handle).await;
+    let mut body2 = req2.into_body();
+    assert_eq!(
+        body2.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "1234"
+    );
+    // The failed attempt's pipe pulls the next chunk before its reset arrives.
+    tx.send(data("56789")).unwrap();
+    let late = body1.frame().await.unwrap();
+    drop(body1);
+    drop(tx);
+    let rest = bounded(body2.collect()).await;
+    send2.send_response(ok());
+    let _ = call.await;
+    match rest {
+        Ok(c) => assert_eq!(c.to_bytes(), "56789"),
+        Err(e) => {
+            panic!("the live attempt's request body failed: {e} (the dead attempt read {late:?})")
+        }
+    }
+}
+
+/// After the release only the live clone may read. A dead clone that polled
+/// the source last holds the source's waker; when it is polled after the
+/// release it fails at once — without passing the wake on to the live clone
+/// waiting in `waiting`. The live clone is only woken when the dead clone is
+/// dropped.
+#[tokio::test(start_paused = true)]
+async fn live_clone_woken_after_dead_clone_errors() {
+    let (mut svc, mut handle, _) = setup(policy(3), budget());
+    let (tx, req) = streaming_request();
+    let call = spawn_call(&mut svc, req).await;
+
+    let (req1, send1, _) = next(&mut handle).await;
+    let mut body1 = req1.into_body();
+    tx.send(data("one ")).unwrap();
+    assert_eq!(
+        body1.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "one "
+    );
+    send1.send_response(status(Code::Unavailable));
+
+    let (req2, send2, _) = next(&mut handle).await;
+    // The live attempt is read on its own task: replays "one ", then waits.
+    let reader = tokio::spawn(async move { req2.into_body().collect().await });
+    tokio::time::sleep(MS).await;
+    // The dead attempt's task polls once more (Pending): it now owns the
+    // source's waker. Its own task is a separate one.
+    let (poll_tx, mut poll_rx) = mpsc::unbounded_channel::<()>();
+    let dead = tokio::spawn(async move {
+        let mut results = Vec::new();
+        // Poll the dead body whenever woken, keep it after an error (as a
+        // consumer that has not been dropped yet would).
+        loop {
+            let r = body1.frame().await;
+            results.push(r.map(|r| r.is_ok()));
+            if poll_rx.recv().await.is_none() {
+                break;
+            }
+        }
+        (results, body1)
+    });
+    tokio::time::sleep(MS).await;
+    // Attempt 2 commits: only it may read from now on.
+    send2.send_response(ok());
+    let response = bounded(call).await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok);
+    tx.send(data("two")).unwrap();
+    tx.send(Ok(Frame::trailers(ok_trailers()))).unwrap();
+    drop(tx);
+    let got = tokio::time::timeout(Duration::from_secs(10), reader).await;
+    drop(poll_tx);
+    let _ = dead.await;
+    match got {
+        Ok(Ok(Ok(c))) => assert_eq!(c.to_bytes(), "one two"),
+        Ok(other) => panic!("the live body failed: {other:?}"),
+        Err(_) => panic!("the live attempt's body was never woken"),
+    }
+}
+
+/// The same attempt (attempt 1 cut before it was sent, attempt 2 sent and
+/// answered UNAVAILABLE) is "attempt 2" in one message and "attempt 1" in the
+/// other, depending on whether the attempt after it was cut unsent: the
+/// `sent` branch numbers by attempts made, the unsent branch by attempts sent.
+/// One of the two names the wrong attempt.
+#[tokio::test(start_paused = true)]
+async fn the_last_attempt_sent_gets_two_different_numbers() {
+    async fn run(deadline: &'static str, respond_at: Duration) -> String {
+        let (mut svc, mut handle, _) = setup(policy(4).with_attempt_timeout(100 * MS), budget());
+        let start = Instant::now();
+        handle.allow(0);
+        let call = spawn_call(&mut svc, with_timeout(request(), deadline)).await;
+        // Attempt 1 waits for readiness and is cut unsent at 100 ms.
+        tokio::time::sleep_until(start + 105 * MS).await;
+        handle.allow(1);
+        let (_, send, _) = next(&mut handle).await; // attempt 2, at 116..124 ms
+        handle.allow(0);
+        tokio::time::sleep_until(start + respond_at).await;
+        send.send_response(status(Code::Unavailable));
+        let response = bounded(call).await.unwrap().unwrap();
+        assert_eq!(code_of(&response), Code::DeadlineExceeded);
+        message_of(&response)
+    }
+    // Deadline 250 ms, answer at 210 ms: no room for another attempt at once.
+    let direct = run("250m", 210 * MS).await;
+    // Deadline 200 ms, answer at 125 ms: attempt 3 is decided, waits for
+    // readiness and is cut unsent at the deadline.
+    let after_cut = run("200m", 125 * MS).await;
+    let number = |m: &str| {
+        m.split("attempt ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        number(&direct),
+        number(&after_cut),
+        "same last attempt sent, two names: {direct:?} vs {after_cut:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Probes that held up
+// ---------------------------------------------------------------------------
+
+/// The first attempt waited for readiness inside the call: its body is the
+/// first epoch, and a commit before it read anything leaves it whole.
+#[tokio::test(start_paused = true)]
+async fn first_attempt_after_readiness_wait_commits_and_streams_whole() {
+    let (mut svc, mut handle, _) = setup(policy(3), budget());
+    handle.allow(0);
+    let (tx, req) = streaming_request();
+    let call = tokio::spawn(svc.ready().await.unwrap().call(req));
+    tokio::time::sleep(10 * MS).await;
+    handle.allow(1);
+    let (req1, send1, _) = next(&mut handle).await;
+    send1.send_response(ok());
+    assert_eq!(code_of(&bounded(call).await.unwrap().unwrap()), Code::Ok);
+    tx.send(data("a")).unwrap();
+    tx.send(data("b")).unwrap();
+    tx.send(Ok(Frame::trailers(ok_trailers()))).unwrap();
+    drop(tx);
+    let c = bounded(req1.into_body().collect()).await.unwrap();
+    assert_eq!(c.trailers().unwrap()["grpc-status"], "0");
+    assert_eq!(c.to_bytes(), "ab");
+}
+
+/// Release while the live clone is mid-replay, the source already ended with
+/// trailers: data and trailers are replayed, size hint and end-of-stream right.
+#[tokio::test(start_paused = true)]
+async fn release_mid_replay_after_trailers() {
+    let (mut svc, mut handle, _) = setup(policy(3), budget());
+    let (tx, req) = streaming_request();
+    let call = spawn_call(&mut svc, req).await;
+    let (req1, send1, _) = next(&mut handle).await;
+    tx.send(data("ab")).unwrap();
+    tx.send(data("cd")).unwrap();
+    tx.send(Ok(Frame::trailers(ok_trailers()))).unwrap();
+    drop(tx);
+    let c = req1.into_body().collect().await.unwrap();
+    assert_eq!(c.to_bytes(), "abcd");
+    send1.send_response(status(Code::Unavailable));
+    let (req2, send2, _) = next(&mut handle).await;
+    let mut body2 = req2.into_body();
+    assert_eq!(
+        body2.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "ab"
+    );
+    send2.send_response(ok());
+    assert_eq!(code_of(&bounded(call).await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(http_body::Body::size_hint(&body2).exact(), Some(2));
+    assert!(!http_body::Body::is_end_stream(&body2));
+    let c = body2.collect().await.unwrap();
+    assert_eq!(c.trailers().unwrap()["grpc-status"], "0");
+    assert_eq!(c.to_bytes(), "cd");
+}
+
+/// Attempt 2 sent, attempt 3 (the last) cut before it was sent; the release
+/// then leaves attempt 2's stream readable and attempt 1's failing.
+#[tokio::test(start_paused = true)]
+async fn second_retry_cut_unsent_then_release() {
+    let (mut svc, mut handle, _) = setup(policy(3).with_attempt_timeout(100 * MS), budget());
+    let (tx, req) = streaming_request();
+    let call = spawn_call(&mut svc, req).await;
+    let (req1, send1, _) = next(&mut handle).await;
+    let mut body1 = req1.into_body();
+    tx.send(data("x")).unwrap();
+    body1.frame().await.unwrap().unwrap();
+    send1.send_response(status(Code::Unavailable));
+    let (req2, send2, _) = next(&mut handle).await;
+    handle.allow(0);
+    send2.send_response(status(Code::Unavailable));
+    let response = bounded(call).await.unwrap().unwrap();
+    assert_eq!(
+        code_of(&response),
+        Code::DeadlineExceeded,
+        "{}",
+        message_of(&response)
+    );
+    tx.send(data("y")).unwrap();
+    drop(tx);
+    assert!(body1.frame().await.unwrap().is_err());
+    assert_eq!(req2.into_body().collect().await.unwrap().to_bytes(), "xy");
+}
+
+/// Over the replay limit: not retried, attempt 1's body keeps streaming whole.
+#[tokio::test(start_paused = true)]
+async fn over_the_limit_then_release() {
+    let (mut svc, mut handle, layer) = setup(policy(3).with_replay_limit(4), budget());
+    let (tx, req) = streaming_request();
+    let call = spawn_call(&mut svc, req).await;
+    let (req1, send1, _) = next(&mut handle).await;
+    let mut body1 = req1.into_body();
+    tx.send(data("12345")).unwrap();
+    body1.frame().await.unwrap().unwrap();
+    send1.send_response(status(Code::Unavailable));
+    assert_eq!(
+        code_of(&bounded(call).await.unwrap().unwrap()),
+        Code::Unavailable
+    );
+    tx.send(data("6")).unwrap();
+    drop(tx);
+    assert_eq!(body1.collect().await.unwrap().to_bytes(), "6");
+    assert_eq!(layer.metrics().attempts(), 1);
+}
+
+/// A sub-millisecond deadline: an answer arriving exactly at it is not cut
+/// early; the call is cut on the first tick at or after it.
+#[tokio::test(start_paused = true)]
+async fn sub_millisecond_deadline_and_answer_at_the_deadline() {
+    let (mut svc, mut handle, _) = setup(policy(3), budget());
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, with_timeout(request(), "1500u")).await;
+    let (_, send, _) = next(&mut handle).await;
+    tokio::time::advance(Duration::from_micros(1500)).await;
+    send.send_response(ok());
+    assert_eq!(code_of(&bounded(call).await.unwrap().unwrap()), Code::Ok);
+
+    let call = spawn_call(&mut svc, with_timeout(request(), "1500u")).await;
+    let t = Instant::now();
+    let (_, _send, _) = next(&mut handle).await;
+    let response = bounded(call).await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert!(
+        t.elapsed() >= Duration::from_micros(1500) && t.elapsed() < 3 * MS,
+        "{:?}",
+        t.elapsed()
+    );
+    let _ = start;
+}
+
+/// A sub-millisecond per-attempt timeout is never cut early.
+#[tokio::test(start_paused = true)]
+async fn sub_millisecond_attempt_timeout() {
+    let (mut svc, mut handle, layer) = setup(
+        policy(3).with_attempt_timeout(Duration::from_micros(700)),
+        budget(),
+    );
+    let call = spawn_call(&mut svc, request()).await;
+    let (req, send, t0) = next(&mut handle).await;
+    assert_eq!(req.headers()["grpc-timeout"], "700000n");
+    tokio::time::advance(Duration::from_micros(699)).await;
+    send.send_response(ok());
+    assert_eq!(code_of(&bounded(call).await.unwrap().unwrap()), Code::Ok);
+    assert!(t0.elapsed() < Duration::from_micros(700));
+    assert_eq!(layer.metrics().attempts(), 1);
+}
+
+mod balancing {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use tonic_retry::balance::PreferUntried;
+
+    type Log = Arc<Mutex<Vec<&'static str>>>;
+
+    fn endpoint(
+        name: &'static str,
+        log: Log,
+    ) -> impl Service<Request<Body>, Response = Response<Body>, Error = tower::BoxError> + Clone
+    {
+        tower::service_fn(move |_req: Request<Body>| {
+            log.lock().unwrap().push(name);
+            async move { Ok::<_, tower::BoxError>(ok()) }
+        })
+    }
+
+    /// Round-robin without marks, through the retry layer.
+    #[tokio::test(start_paused = true)]
+    async fn round_robin_through_the_layer() {
+        let log = Log::default();
+        let lb =
+            PreferUntried::new(["a", "b", "c"].map(|n| (n.to_owned(), endpoint(n, log.clone()))))
+                .unwrap();
+        let mut svc = RetryLayer::new(policy(3), budget()).layer(lb);
+        for _ in 0..300 {
+            svc.ready().await.unwrap().call(request()).await.unwrap();
+        }
+        let log = log.lock().unwrap();
+        for n in ["a", "b", "c"] {
+            assert_eq!(log.iter().filter(|x| **x == n).count(), 100, "{n}");
+        }
+    }
+
+    /// Mixed ready / never-ready endpoints, a readiness error on one endpoint,
+    /// load_shed above.
+    #[tokio::test(start_paused = true)]
+    async fn mixed_readiness_errors_and_load_shed() {
+        let (a, mut ha) = mock::pair::<Request<Body>, Response<Body>>();
+        let (b, mut hb) = mock::pair::<Request<Body>, Response<Body>>();
+        hb.allow(0);
+        type Boxed = tower::util::BoxCloneService<Request<Body>, Response<Body>, tower::BoxError>;
+        let boxed = |m: mock::Mock<Request<Body>, Response<Body>>| -> Boxed {
+            Boxed::new(m.map_err(Into::into))
+        };
+        let lb = PreferUntried::new([
+            ("a".to_owned(), boxed(a)),
+            ("b".to_owned(), boxed(b)),
+            ("c".to_owned(), Boxed::new(Gone)),
+        ])
+        .unwrap();
+        let mut svc = RetryLayer::new(policy(3), budget()).layer(lb.clone());
+        for _ in 0..4 {
+            let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+            let (_, send) = bounded(ha.next_request()).await.unwrap();
+            send.send_response(ok());
+            assert_eq!(call.await.unwrap().unwrap().headers()["x-instance-id"], "a");
+        }
+        // load_shed directly above: b and c cannot take it, a can.
+        ha.allow(0);
+        let mut shed = tower::load_shed::LoadShed::new(lb.clone());
+        let e = shed
+            .ready()
+            .await
+            .unwrap()
+            .call(request())
+            .await
+            .unwrap_err();
+        assert!(e.is::<tower::load_shed::error::Overloaded>(), "{e}");
+        let _ = &mut hb;
+    }
+
+    /// An endpoint whose readiness always fails (a buffer whose worker died).
+    #[derive(Clone)]
+    struct Gone;
+    impl Service<Request<Body>> for Gone {
+        type Response = Response<Body>;
+        type Error = tower::BoxError;
+        type Future = std::future::Ready<Result<Response<Body>, tower::BoxError>>;
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), tower::BoxError>> {
+            std::task::Poll::Ready(Err("worker gone".into()))
+        }
+        fn call(&mut self, _: Request<Body>) -> Self::Future {
+            panic!("called after failing readiness")
+        }
+    }
+}
+
+/// A zero per-attempt timeout: every attempt is cut before it is sent; no
+/// token, no attempt, no retry is counted.
+#[tokio::test(start_paused = true)]
+async fn zero_attempt_timeout_spends_nothing() {
+    let (mut svc, mut handle, layer) =
+        setup(policy(3).with_attempt_timeout(Duration::ZERO), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let response = bounded(call).await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert!(handle.next_request().now_or_never().is_none());
+    let m = layer.metrics();
+    assert_eq!(
+        (m.attempts(), m.retries(), m.refused_by_budget()),
+        (0, 0, 0)
+    );
+    assert_eq!(layer.budget().available(), 100.0);
 }
