@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::ConfigError;
+use crate::throttle::RetryThrottle;
 
 /// Thousandths of a token: the unit the account is kept in.
 const MILLI: u64 = 1_000;
@@ -142,21 +143,43 @@ impl RetryBudget {
     }
 }
 
+// What the layer knows of the budgets this crate defines, beyond the one
+// question tower's `Budget` trait can answer (`withdraw`). Any other `tower`
+// budget is asked only when a retry is sent, and charged only then.
+
 /// The balance of a budget whose type this crate knows, for the layer's events.
 pub(crate) fn balance<Bu: 'static>(budget: &Bu) -> Option<f64> {
-    (budget as &dyn Any)
-        .downcast_ref::<RetryBudget>()
-        .map(RetryBudget::available)
+    let any = budget as &dyn Any;
+    if let Some(b) = any.downcast_ref::<RetryBudget>() {
+        return Some(b.available());
+    }
+    any.downcast_ref::<RetryThrottle>()
+        .and_then(RetryThrottle::available)
 }
 
-/// Whether a budget whose type this crate knows has nothing to pay a retry
-/// with: the layer then refuses the retry at once instead of after its backoff.
-/// Any other `tower` budget is asked only when the retry is sent (its
-/// `withdraw` is the only question the `Budget` trait can answer).
+/// Whether a budget whose type this crate knows refuses a retry now: the layer
+/// then refuses at once instead of after the backoff.
 pub(crate) fn is_known_empty<Bu: 'static>(budget: &Bu) -> bool {
-    (budget as &dyn Any)
-        .downcast_ref::<RetryBudget>()
-        .is_some_and(|b| !b.has_token())
+    let any = budget as &dyn Any;
+    if let Some(b) = any.downcast_ref::<RetryBudget>() {
+        return !b.has_token();
+    }
+    any.downcast_ref::<RetryThrottle>()
+        .is_some_and(|t| !t.allows_retry())
+}
+
+/// Charges a retryable failure, retried or not, to a budget that counts them:
+/// gRPC's throttling ([`RetryThrottle`]) does.
+pub(crate) fn on_retryable_failure<Bu: 'static>(budget: &Bu) {
+    if let Some(t) = (budget as &dyn Any).downcast_ref::<RetryThrottle>() {
+        t.on_retryable_failure();
+    }
+}
+
+/// Whether a retry this budget refuses ends the call with the failure's own
+/// status, as gRPC's throttling does, rather than `RESOURCE_EXHAUSTED`.
+pub(crate) fn refusal_keeps_status<Bu: 'static>(budget: &Bu) -> bool {
+    (budget as &dyn Any).is::<RetryThrottle>()
 }
 
 impl tower::retry::budget::Budget for RetryBudget {

@@ -127,6 +127,9 @@ enum Decision {
     NoTime { left: Duration, delay: Duration },
     /// Retryable, but the budget has no token.
     NoBudget { delay: Duration },
+    /// Retryable, but gRPC's throttling refuses retries for now: the caller
+    /// gets the failure as it is.
+    Throttled,
     /// Send another attempt after `delay`.
     Retry { delay: Duration },
 }
@@ -137,13 +140,14 @@ impl Decision {
             Decision::Done(why) => why,
             Decision::NoTime { .. } => "no time left for another attempt",
             Decision::NoBudget { .. } => "retry budget exhausted",
+            Decision::Throttled => "retries throttled",
             Decision::Retry { .. } => "retrying",
         }
     }
 
     fn delay(self) -> Option<Duration> {
         match self {
-            Decision::Done(_) => None,
+            Decision::Done(_) | Decision::Throttled => None,
             Decision::NoTime { delay, .. }
             | Decision::NoBudget { delay }
             | Decision::Retry { delay } => Some(delay),
@@ -187,12 +191,14 @@ impl CallState {
             return Decision::Done("succeeded");
         }
         if let Verdict::RetriedBelow(_) = verdict {
+            budget::on_retryable_failure(budget);
             shared.metrics.record(Event::RetriedBelow);
             return Decision::Done("not retried: a layer below already retried");
         }
         let Verdict::Retryable { server_delay, .. } = verdict else {
             return Decision::Done("not retryable");
         };
+        budget::on_retryable_failure(budget);
         if let Some(id) = instance {
             self.tried.record(id);
         }
@@ -223,6 +229,9 @@ impl CallState {
         // The token itself is taken when the retry is sent; a budget that is
         // known to be empty refuses now rather than after the backoff.
         if budget::is_known_empty(budget) {
+            if budget::refusal_keeps_status(budget) {
+                return Decision::Throttled;
+            }
             return Decision::NoBudget { delay };
         }
         Decision::Retry { delay }
@@ -397,8 +406,12 @@ where
                     key = key(req),
                     "retry budget exhausted"
                 );
-                let message = format!("retry budget exhausted; {}", state.ended_with(None));
-                let mut response = status_response(Code::ResourceExhausted, message);
+                let mut response = if budget::refusal_keeps_status(budget) {
+                    state.last_status("retries throttled")
+                } else {
+                    let message = format!("retry budget exhausted; {}", state.ended_with(None));
+                    status_response(Code::ResourceExhausted, message)
+                };
                 if policy.retry_at_one_layer {
                     mark_given_up(&mut response, metrics);
                 }
@@ -459,7 +472,7 @@ where
         // retry it again.
         let marked = policy.retry_at_one_layer
             && match decision {
-                Decision::NoTime { .. } | Decision::NoBudget { .. } => true,
+                Decision::NoTime { .. } | Decision::NoBudget { .. } | Decision::Throttled => true,
                 Decision::Done(_) => {
                     matches!(verdict, Verdict::Retryable { .. }) && state.sent >= 2
                 }
@@ -487,6 +500,15 @@ where
                 if verdict != Verdict::Committed {
                     finish(result, state);
                 }
+                if marked && let Ok(response) = result {
+                    mark_given_up(response, metrics);
+                }
+                req.body().release();
+                None
+            }
+            Decision::Throttled => {
+                metrics.record(Event::RefusedByBudget);
+                finish(result, state);
                 if marked && let Ok(response) = result {
                     mark_given_up(response, metrics);
                 }

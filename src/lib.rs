@@ -198,8 +198,11 @@ mod metrics;
 mod policy;
 pub mod replay;
 mod service;
+#[cfg(feature = "service-config")]
+pub mod service_config;
 mod shared;
 mod status;
+mod throttle;
 
 pub use body::ResponseBody;
 pub use budget::RetryBudget;
@@ -214,3 +217,4 @@ pub use metrics::RetryMetrics;
 pub use policy::{DEFAULT_MAX_SERVER_DELAY, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
 pub use replay::{ReplayBody, ReplayError};
 pub use service::RetryService;
+pub use throttle::RetryThrottle;

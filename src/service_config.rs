@@ -1,0 +1,935 @@
+//! gRPC service config JSON (gRFC A6, `grpc/service_config/service_config.proto`):
+//! per-method retry policies and timeouts, and retry throttling, read the way
+//! grpc-go and grpc-java read them.
+//!
+//! ```
+//! use tonic_retry::service_config::ServiceConfig;
+//! use tonic_retry::{RetryLayer, RetryPolicy};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let config: ServiceConfig = r#"{
+//!   "methodConfig": [
+//!     { "name": [{ "service": "library.v1.Library", "method": "GetBook" }],
+//!       "timeout": "2s",
+//!       "retryPolicy": {
+//!         "maxAttempts": 4,
+//!         "initialBackoff": "0.05s",
+//!         "maxBackoff": "1s",
+//!         "backoffMultiplier": 2,
+//!         "retryableStatusCodes": ["UNAVAILABLE", "resource_exhausted"]
+//!       } },
+//!     { "name": [{ "service": "library.v1.Library", "method": "ReserveStock" }] }
+//!   ],
+//!   "retryThrottling": { "maxTokens": 100, "tokenRatio": 0.1 }
+//! }"#
+//! .parse()?;
+//! let layer = RetryLayer::with_budget(
+//!     config.policies(&RetryPolicy::default()),
+//!     config.retry_throttle(),
+//! );
+//! let get_book = layer.policies().policy_for("/library.v1.Library/GetBook");
+//! assert_eq!(get_book.max_attempts(), 4);
+//! let reserve = layer.policies().policy_for("/library.v1.Library/ReserveStock");
+//! assert_eq!(reserve.max_attempts(), 1, "a method config without retryPolicy: no retries");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What is read, and how
+//!
+//! * `methodConfig[].name[]`: `{ "service": "package.Service", "method": "Method" }`.
+//!   An empty or missing `method` makes the entry its service's default; an
+//!   empty or missing `service` (with no `method`) the default for every
+//!   method. A `method` without a `service`, and a name given twice anywhere in
+//!   the config, are errors. An entry with no names is ignored. The most
+//!   specific entry wins, whole: a method entry without `retryPolicy` is not
+//!   retried, even if its service's entry has one.
+//! * `retryPolicy`, with A6's validation: `maxAttempts` an integer greater
+//!   than 1 (above 5 it counts as 5, as A6 says); `initialBackoff` and
+//!   `maxBackoff` durations greater than 0; `backoffMultiplier` a number
+//!   greater than 0; `retryableStatusCodes` a non-empty list of codes, each an
+//!   integer (`14`) or a name in any case (`"UNAVAILABLE"`, `"unavailable"`).
+//!   `perAttemptRecvTimeout`, where present, is the per-attempt timeout. The
+//!   jitter, and everything A6 does not set (replay limit, key, marks), come
+//!   from the base [`RetryPolicy`] given to [`ServiceConfig::policies`].
+//! * `timeout`: the method's deadline; a call's deadline is the sooner of it
+//!   and the caller's.
+//! * `retryThrottling`: `maxTokens` in `(0, 1000]`, `tokenRatio` greater than
+//!   0 (three decimals kept), as a [`RetryThrottle`].
+//! * Durations are proto3 JSON strings: seconds with up to nine decimals and
+//!   an `s` (`"1s"`, `"0.1s"`, `".01s"`, `"1.5s"`), at most 315,576,000,000 s.
+//!
+//! An invalid config is rejected whole (gRFC A21), with a
+//! [`ServiceConfigError`] naming the JSON path and the rule broken
+//! (`methodConfig[1].retryPolicy.maxAttempts: must be greater than 1, got 1`).
+//! Unknown fields are ignored; `hedgingPolicy` is reported as unsupported
+//! rather than dropped.
+//!
+//! # Where grpc-go and grpc-java disagree
+//!
+//! This reader follows gRFC A6 and A21:
+//!
+//! * Status names in any case: A6 allows `"unavailable"`; grpc-go accepts
+//!   only `"UNAVAILABLE"` and grpc-java only the exact enum name.
+//! * An invalid `retryPolicy` rejects the config: grpc-java rejects it,
+//!   grpc-go logs a warning and drops the policy (the method is then not
+//!   retried).
+//! * `".01s"` is a duration: grpc-go accepts it, grpc-java does not.
+//! * `OK` among the retryable codes is accepted (A6 asks only for valid
+//!   codes) and has no effect, since a success is never retried; grpc-java
+//!   rejects it.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+use tonic::Code;
+
+use crate::methods::MethodPolicies;
+use crate::policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
+use crate::status::code_name;
+use crate::throttle::RetryThrottle;
+
+/// The longest duration protobuf allows (10,000 years), in seconds.
+const MAX_SECONDS: u64 = 315_576_000_000;
+
+/// A parsed and validated gRPC service config: see the [module docs](self).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceConfig {
+    default: Option<MethodConfig>,
+    services: Vec<(String, MethodConfig)>,
+    methods: Vec<(String, String, MethodConfig)>,
+    throttling: Option<(f64, f64)>,
+}
+
+/// What one `methodConfig` entry says.
+#[derive(Clone, Debug, PartialEq)]
+struct MethodConfig {
+    retry: Option<Retry>,
+    timeout: Option<Duration>,
+}
+
+/// A validated `retryPolicy`.
+#[derive(Clone, Debug, PartialEq)]
+struct Retry {
+    max_attempts: u32,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+    multiplier: f64,
+    codes: RetryableCodes,
+    per_attempt: Option<Duration>,
+}
+
+/// Why a service config was rejected: the JSON path of the offending value
+/// and the rule it breaks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceConfigError {
+    path: String,
+    rule: String,
+}
+
+impl ServiceConfigError {
+    fn new(path: &str, rule: impl Into<String>) -> Self {
+        Self {
+            path: path.to_owned(),
+            rule: rule.into(),
+        }
+    }
+
+    /// Where in the JSON, e.g. `methodConfig[1].retryPolicy.maxAttempts`;
+    /// empty for the document itself.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The rule broken, e.g. `must be greater than 1, got 1`.
+    pub fn rule(&self) -> &str {
+        &self.rule
+    }
+}
+
+impl fmt::Display for ServiceConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "invalid service config: {}", self.rule)
+        } else {
+            write!(f, "invalid service config: {}: {}", self.path, self.rule)
+        }
+    }
+}
+
+impl std::error::Error for ServiceConfigError {}
+
+type Result<T> = std::result::Result<T, ServiceConfigError>;
+
+impl ServiceConfig {
+    /// Parses and validates a service config.
+    ///
+    /// # Errors
+    ///
+    /// [`ServiceConfigError`] naming the path and the rule, for JSON that does
+    /// not parse, and for any value A6 does not allow.
+    pub fn from_json(json: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(json)
+            .map_err(|e| ServiceConfigError::new("", format!("not valid JSON: {e}")))?;
+        let root = object(&value, "")?;
+        let mut config = ServiceConfig {
+            default: None,
+            services: Vec::new(),
+            methods: Vec::new(),
+            throttling: None,
+        };
+        if let Some(list) = field(root, "methodConfig") {
+            let entries = array(list, "methodConfig")?;
+            let mut seen = std::collections::HashSet::new();
+            for (i, entry) in entries.iter().enumerate() {
+                config.add(entry, &format!("methodConfig[{i}]"), &mut seen)?;
+            }
+        }
+        if let Some(throttling) = field(root, "retryThrottling") {
+            config.throttling = Some(throttling_of(throttling, "retryThrottling")?);
+        }
+        Ok(config)
+    }
+
+    fn add(
+        &mut self,
+        entry: &Value,
+        path: &str,
+        seen: &mut std::collections::HashSet<(String, String)>,
+    ) -> Result<()> {
+        let entry_map = object(entry, path)?;
+        let method_config = method_config(entry_map, path)?;
+        let Some(names) = field(entry_map, "name") else {
+            return Ok(());
+        };
+        let names_path = format!("{path}.name");
+        for (j, name) in array(names, &names_path)?.iter().enumerate() {
+            let name_path = format!("{names_path}[{j}]");
+            let name = object(name, &name_path)?;
+            let service = string_or_empty(name, "service", &name_path)?;
+            let method = string_or_empty(name, "method", &name_path)?;
+            for (part, value) in [("service", &service), ("method", &method)] {
+                if value.contains('/') {
+                    return Err(ServiceConfigError::new(
+                        &format!("{name_path}.{part}"),
+                        format!("must not contain '/', got {value:?}"),
+                    ));
+                }
+            }
+            if service.is_empty() && !method.is_empty() {
+                return Err(ServiceConfigError::new(
+                    &format!("{name_path}.method"),
+                    format!("a method ({method:?}) needs a service"),
+                ));
+            }
+            if !seen.insert((service.clone(), method.clone())) {
+                return Err(ServiceConfigError::new(
+                    &name_path,
+                    format!("duplicate name: service {service:?}, method {method:?}"),
+                ));
+            }
+            let config = method_config.clone();
+            match (service.is_empty(), method.is_empty()) {
+                (true, _) => self.default = Some(config),
+                (false, true) => self.services.push((service, config)),
+                (false, false) => self.methods.push((service, method, config)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The config's policies by method, built on `base`: each `retryPolicy`
+    /// sets the attempts, backoff, multiplier, retryable codes and per-attempt
+    /// timeout of a copy of `base`; a method config without one, and a method
+    /// no entry covers, get `base` with a single attempt (not retried, but
+    /// still given its idempotency key, replay-free body and the like); each
+    /// `timeout` caps the call's deadline.
+    pub fn policies(&self, base: &RetryPolicy) -> MethodPolicies {
+        let policy = |config: &MethodConfig| config.policy(base);
+        let mut table = MethodPolicies::with_default(match &self.default {
+            Some(config) => policy(config),
+            None => single_attempt(base),
+        });
+        // NOTE: the names were checked when the config was parsed (non-empty,
+        // no '/', each once), so the table takes every one.
+        for (service, config) in &self.services {
+            table = table
+                .clone()
+                .with_service(service, policy(config))
+                .unwrap_or(table);
+        }
+        for (service, method, config) in &self.methods {
+            table = table
+                .clone()
+                .with_method(service, method, policy(config))
+                .unwrap_or(table);
+        }
+        table
+    }
+
+    /// The config's `retryThrottling` as a budget for the layer, or
+    /// [`RetryThrottle::unlimited`] without one (A6: no throttling).
+    pub fn retry_throttle(&self) -> RetryThrottle {
+        match self.throttling {
+            Some((max, ratio)) => {
+                RetryThrottle::new(max, ratio).unwrap_or_else(|_| RetryThrottle::unlimited())
+            }
+            None => RetryThrottle::unlimited(),
+        }
+    }
+}
+
+impl FromStr for ServiceConfig {
+    type Err = ServiceConfigError;
+
+    fn from_str(json: &str) -> Result<Self> {
+        Self::from_json(json)
+    }
+}
+
+impl MethodConfig {
+    fn policy(&self, base: &RetryPolicy) -> RetryPolicy {
+        let mut policy = match &self.retry {
+            None => single_attempt(base),
+            Some(retry) => {
+                let mut policy = base.clone();
+                policy.max_attempts = retry.max_attempts;
+                policy.base_delay = retry.initial_backoff;
+                policy.max_delay = retry.max_backoff;
+                policy.multiplier = retry.multiplier;
+                policy.retryable = retry.codes;
+                if let Some(timeout) = retry.per_attempt {
+                    policy.attempt_timeout = Some(timeout);
+                }
+                policy
+            }
+        };
+        if let Some(timeout) = self.timeout {
+            policy.max_timeout = Some(timeout);
+        }
+        policy
+    }
+}
+
+/// `base`, not retried.
+fn single_attempt(base: &RetryPolicy) -> RetryPolicy {
+    let mut policy = base.clone();
+    policy.max_attempts = 1;
+    policy
+}
+
+fn method_config(entry: &Map<String, Value>, path: &str) -> Result<MethodConfig> {
+    if field(entry, "hedgingPolicy").is_some() {
+        return Err(ServiceConfigError::new(
+            &format!("{path}.hedgingPolicy"),
+            "hedging is not supported by this layer",
+        ));
+    }
+    let timeout = match field(entry, "timeout") {
+        Some(v) => {
+            let path = format!("{path}.timeout");
+            Some(duration(v, &path, false)?)
+        }
+        None => None,
+    };
+    let retry = match field(entry, "retryPolicy") {
+        Some(v) => Some(retry_policy(v, &format!("{path}.retryPolicy"))?),
+        None => None,
+    };
+    Ok(MethodConfig { retry, timeout })
+}
+
+fn retry_policy(value: &Value, path: &str) -> Result<Retry> {
+    let map = object(value, path)?;
+    let required = |name: &str| {
+        field(map, name)
+            .ok_or_else(|| ServiceConfigError::new(&format!("{path}.{name}"), "is required"))
+    };
+
+    let attempts_path = format!("{path}.maxAttempts");
+    let attempts = integer(required("maxAttempts")?, &attempts_path)?;
+    if attempts <= 1.0 {
+        return Err(ServiceConfigError::new(
+            &attempts_path,
+            format!("must be greater than 1, got {attempts}"),
+        ));
+    }
+    // A6: values above 5 are treated as 5, not an error.
+    let max_attempts = if attempts >= f64::from(MAX_ATTEMPTS_LIMIT) {
+        MAX_ATTEMPTS_LIMIT
+    } else {
+        attempts as u32
+    };
+
+    let initial_backoff = duration(
+        required("initialBackoff")?,
+        &format!("{path}.initialBackoff"),
+        true,
+    )?;
+    let max_backoff = duration(required("maxBackoff")?, &format!("{path}.maxBackoff"), true)?;
+
+    let multiplier_path = format!("{path}.backoffMultiplier");
+    let multiplier = number(required("backoffMultiplier")?, &multiplier_path)?;
+    // `number` only returns finite values, so this is the whole check.
+    if multiplier <= 0.0 {
+        return Err(ServiceConfigError::new(
+            &multiplier_path,
+            format!("must be greater than 0, got {multiplier}"),
+        ));
+    }
+
+    let codes_path = format!("{path}.retryableStatusCodes");
+    let list = array(required("retryableStatusCodes")?, &codes_path)?;
+    if list.is_empty() {
+        return Err(ServiceConfigError::new(&codes_path, "must not be empty"));
+    }
+    let mut codes = RetryableCodes::empty();
+    for (i, code) in list.iter().enumerate() {
+        codes = codes.with(status_code(code, &format!("{codes_path}[{i}]"))?);
+    }
+
+    let per_attempt = match field(map, "perAttemptRecvTimeout") {
+        Some(v) => Some(duration(
+            v,
+            &format!("{path}.perAttemptRecvTimeout"),
+            false,
+        )?),
+        None => None,
+    };
+
+    Ok(Retry {
+        max_attempts,
+        initial_backoff,
+        max_backoff,
+        multiplier,
+        codes,
+        per_attempt,
+    })
+}
+
+fn throttling_of(value: &Value, path: &str) -> Result<(f64, f64)> {
+    let map = object(value, path)?;
+    let get = |name: &str| {
+        let at = format!("{path}.{name}");
+        let value = field(map, name).ok_or_else(|| ServiceConfigError::new(&at, "is required"))?;
+        Ok::<_, ServiceConfigError>((number(value, &at)?, at))
+    };
+    let (max, max_path) = get("maxTokens")?;
+    if !(max > 0.0 && max <= 1000.0) {
+        return Err(ServiceConfigError::new(
+            &max_path,
+            format!("must be in (0, 1000], got {max}"),
+        ));
+    }
+    let (ratio, ratio_path) = get("tokenRatio")?;
+    if ratio <= 0.0 {
+        return Err(ServiceConfigError::new(
+            &ratio_path,
+            format!("must be greater than 0, got {ratio}"),
+        ));
+    }
+    Ok((max, ratio))
+}
+
+/// A field that is present and not `null` (protobuf JSON reads `null` as unset).
+fn field<'a>(map: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+    map.get(name).filter(|v| !v.is_null())
+}
+
+fn object<'a>(value: &'a Value, path: &str) -> Result<&'a Map<String, Value>> {
+    value.as_object().ok_or_else(|| {
+        ServiceConfigError::new(path, format!("must be an object, got {}", kind(value)))
+    })
+}
+
+fn array<'a>(value: &'a Value, path: &str) -> Result<&'a Vec<Value>> {
+    value.as_array().ok_or_else(|| {
+        ServiceConfigError::new(path, format!("must be an array, got {}", kind(value)))
+    })
+}
+
+fn string_or_empty(map: &Map<String, Value>, name: &str, path: &str) -> Result<String> {
+    match field(map, name) {
+        None => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(ServiceConfigError::new(
+            &format!("{path}.{name}"),
+            format!("must be a string, got {}", kind(other)),
+        )),
+    }
+}
+
+fn number(value: &Value, path: &str) -> Result<f64> {
+    value.as_f64().filter(|n| n.is_finite()).ok_or_else(|| {
+        ServiceConfigError::new(path, format!("must be a number, got {}", kind(value)))
+    })
+}
+
+/// A JSON number with no fractional part (`3` or `3.0`), as a float: large
+/// values stay representable.
+fn integer(value: &Value, path: &str) -> Result<f64> {
+    let n = number(value, path)?;
+    if n.fract() != 0.0 {
+        return Err(ServiceConfigError::new(
+            path,
+            format!("must be an integer, got {n}"),
+        ));
+    }
+    Ok(n)
+}
+
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A status code: an integer 0–16, or a code's name in any case.
+fn status_code(value: &Value, path: &str) -> Result<Code> {
+    match value {
+        Value::Number(_) => {
+            let n = integer(value, path)?;
+            if (0.0..=16.0).contains(&n) {
+                Ok(Code::from_i32(n as i32))
+            } else {
+                Err(ServiceConfigError::new(
+                    path,
+                    format!("is not a gRPC status code (0 to 16): {n}"),
+                ))
+            }
+        }
+        Value::String(name) => (0..=16)
+            .map(Code::from_i32)
+            .find(|code| code_name(*code).eq_ignore_ascii_case(name))
+            .ok_or_else(|| {
+                ServiceConfigError::new(path, format!("is not a gRPC status code name: {name:?}"))
+            }),
+        other => Err(ServiceConfigError::new(
+            path,
+            format!("must be a status code name or number, got {}", kind(other)),
+        )),
+    }
+}
+
+/// A proto3 JSON duration string; `positive` requires it greater than 0,
+/// otherwise it must not be negative.
+fn duration(value: &Value, path: &str, positive: bool) -> Result<Duration> {
+    let Value::String(text) = value else {
+        return Err(ServiceConfigError::new(
+            path,
+            format!(
+                "must be a duration string like \"0.1s\", got {}",
+                kind(value)
+            ),
+        ));
+    };
+    let malformed = || {
+        ServiceConfigError::new(
+            path,
+            format!("{text:?} is not a duration: seconds, up to 9 decimals, and \"s\" (\"0.1s\")"),
+        )
+    };
+    let (negative, parsed) = parse_duration(text).ok_or_else(malformed)?;
+    if negative && !parsed.is_zero() {
+        return Err(ServiceConfigError::new(
+            path,
+            format!("must not be negative, got {text:?}"),
+        ));
+    }
+    if positive && parsed.is_zero() {
+        return Err(ServiceConfigError::new(
+            path,
+            format!("must be greater than 0, got {text:?}"),
+        ));
+    }
+    Ok(parsed)
+}
+
+/// `[+-]?(\d*)(\.\d{1,9})?s` with at least one digit, at most
+/// [`MAX_SECONDS`]: the sign and the magnitude.
+fn parse_duration(text: &str) -> Option<(bool, Duration)> {
+    let body = text.strip_suffix('s')?;
+    let (negative, body) = match body.as_bytes().first() {
+        Some(b'-') => (true, &body[1..]),
+        Some(b'+') => (false, &body[1..]),
+        _ => (false, body),
+    };
+    let (whole, fraction) = match body.split_once('.') {
+        Some((whole, fraction)) => (whole, Some(fraction)),
+        None => (body, None),
+    };
+    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(whole) || !fraction.is_none_or(|f| digits(f) && f.len() <= 9) {
+        return None;
+    }
+    if whole.is_empty() && fraction.is_none_or(str::is_empty) {
+        return None;
+    }
+    let seconds = if whole.is_empty() {
+        0
+    } else {
+        // Digits only, but possibly too many for a u64: too long is too large.
+        whole.parse::<u64>().ok().filter(|s| *s <= MAX_SECONDS)?
+    };
+    let nanos = match fraction {
+        Some(f) if !f.is_empty() => {
+            let scale = 10u32.pow(9 - f.len() as u32);
+            f.parse::<u32>().ok()? * scale
+        }
+        _ => 0,
+    };
+    Some((negative, Duration::new(seconds, nanos)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn parse(json: &str) -> ServiceConfig {
+        ServiceConfig::from_json(json).unwrap_or_else(|e| panic!("{e}\n{json}"))
+    }
+
+    fn reject(json: &str) -> ServiceConfigError {
+        match ServiceConfig::from_json(json) {
+            Ok(config) => panic!("accepted: {json}\n{config:?}"),
+            Err(e) => e,
+        }
+    }
+
+    /// A config with one method entry for `foo/Bar` holding `body`.
+    fn method(body: &str) -> String {
+        format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "foo", "method": "Bar"}}], {body}}}]}}"#
+        )
+    }
+
+    fn retry(fields: &str) -> String {
+        method(&format!(r#""retryPolicy": {{{fields}}}"#))
+    }
+
+    const GOOD: &str = r#""maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+        "backoffMultiplier": 1.0, "retryableStatusCodes": ["UNAVAILABLE"]"#;
+
+    #[test]
+    fn durations_read_as_grpc_go_reads_them() {
+        // grpc-go's TestParseDuration, plus proto3's bounds.
+        for (text, want) in [
+            ("1s", Duration::from_secs(1)),
+            ("1.1s", 1100 * MS),
+            ("1.s", Duration::from_secs(1)),
+            ("1.0s", Duration::from_secs(1)),
+            (".002s", 2 * MS),
+            (".002000s", 2 * MS),
+            ("0.003s", 3 * MS),
+            ("0.000004s", Duration::from_micros(4)),
+            ("5000.000000009s", Duration::new(5000, 9)),
+            ("4999.999999999s", Duration::new(4999, 999_999_999)),
+            ("+1.5s", 1500 * MS),
+            ("315576000000s", Duration::from_secs(MAX_SECONDS)),
+        ] {
+            assert_eq!(parse_duration(text), Some((false, want)), "{text}");
+        }
+        assert_eq!(parse_duration("-1s"), Some((true, Duration::from_secs(1))));
+        for bad in [
+            "1",
+            "s",
+            ".s",
+            "1 s",
+            " 1s",
+            "1ms",
+            "1.1.1s",
+            "Xs",
+            "as",
+            ".0000000001s",
+            "--1s",
+            "+-1s",
+            "1.+5s",
+            "315576000001s",
+            "99999999999999999999999s",
+            "",
+            "-",
+            "+s",
+        ] {
+            assert_eq!(parse_duration(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_full_config_gives_the_policies_grpc_would_use() {
+        let config = parse(
+            r#"{
+              "loadBalancingPolicy": "round_robin",
+              "methodConfig": [
+                { "name": [{}],
+                  "retryPolicy": { "maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                                   "backoffMultiplier": 2, "retryableStatusCodes": [14] } },
+                { "name": [{ "service": "foo" }],
+                  "timeout": "5s",
+                  "retryPolicy": { "maxAttempts": 2, "initialBackoff": "0.2s", "maxBackoff": "0.2s",
+                                   "backoffMultiplier": 1.5, "retryableStatusCodes": ["unavailable", "Deadline_Exceeded"] } },
+                { "name": [{ "service": "foo", "method": "Bar" }, { "service": "foo", "method": "Baz" }],
+                  "waitForReady": true,
+                  "retryPolicy": { "maxAttempts": 7, "initialBackoff": ".05s", "maxBackoff": "2s",
+                                   "backoffMultiplier": 3, "retryableStatusCodes": ["RESOURCE_EXHAUSTED"],
+                                   "perAttemptRecvTimeout": "0.3s" } },
+                { "name": [{ "service": "foo", "method": "Write" }], "timeout": "1s" }
+              ],
+              "retryThrottling": { "maxTokens": 10, "tokenRatio": 0.5466 }
+            }"#,
+        );
+        let table = config.policies(&RetryPolicy::default());
+
+        let default = table.policy_for("/other.Service/Any");
+        assert_eq!(default.max_attempts(), 3);
+        assert_eq!(default.base_delay(), 100 * MS);
+        assert_eq!(default.max_delay(), Duration::from_secs(1));
+        assert_eq!(
+            default.retryable_codes(),
+            RetryableCodes::empty().with(Code::Unavailable)
+        );
+        assert_eq!(
+            default.jitter(),
+            0.2,
+            "the base policy's jitter (A6: ±20 %)"
+        );
+
+        let service = table.policy_for("/foo/Other");
+        assert_eq!(service.max_attempts(), 2);
+        assert_eq!(service.backoff_multiplier(), 1.5);
+        assert_eq!(
+            service.retryable_codes(),
+            RetryableCodes::empty()
+                .with(Code::Unavailable)
+                .with(Code::DeadlineExceeded),
+            "names in any case"
+        );
+        assert_eq!(service.max_timeout(), Some(Duration::from_secs(5)));
+
+        for name in ["/foo/Bar", "/foo/Baz"] {
+            let method = table.policy_for(name);
+            assert_eq!(method.max_attempts(), 5, "7 counts as 5 (A6)");
+            assert_eq!(method.base_delay(), 50 * MS, "\".05s\"");
+            assert_eq!(method.backoff_multiplier(), 3.0);
+            assert_eq!(method.attempt_timeout(), Some(300 * MS));
+            assert_eq!(method.max_timeout(), None, "the method's entry wins whole");
+        }
+
+        let write = table.policy_for("/foo/Write");
+        assert_eq!(write.max_attempts(), 1, "no retryPolicy: not retried");
+        assert_eq!(write.max_timeout(), Some(Duration::from_secs(1)));
+
+        let throttle = config.retry_throttle();
+        assert_eq!(throttle.max_tokens(), Some(10.0));
+    }
+
+    #[test]
+    fn without_a_default_entry_unnamed_methods_are_not_retried() {
+        let config = parse(&retry(GOOD));
+        let table = config.policies(&RetryPolicy::default());
+        assert_eq!(table.policy_for("/foo/Bar").max_attempts(), 2);
+        assert_eq!(table.policy_for("/foo/Other").max_attempts(), 1);
+        assert_eq!(config.retry_throttle().available(), None, "no throttling");
+        // An entry without names is ignored; so is an empty document.
+        let config = parse(&format!(
+            r#"{{"methodConfig": [{{"retryPolicy": {{{GOOD}}}}}]}}"#
+        ));
+        assert_eq!(
+            config
+                .policies(&RetryPolicy::default())
+                .policy_for("/foo/Bar")
+                .max_attempts(),
+            1
+        );
+        parse("{}");
+        parse(r#"{"methodConfig": null, "retryThrottling": null}"#);
+    }
+
+    #[test]
+    fn invalid_configs_name_the_path_and_the_rule() {
+        let cases: Vec<(String, &str, &str)> = vec![
+            // Names (grpc-go: errEmptyServiceNonEmptyMethod, errDuplicatedName).
+            (
+                r#"{"methodConfig": [{"name": [{"method": "Bar"}]}]}"#.into(),
+                "methodConfig[0].name[0].method",
+                "needs a service",
+            ),
+            (
+                r#"{"methodConfig": [{"name": [{"service": "foo"}]}, {"name": [{"service": "foo"}]}]}"#.into(),
+                "methodConfig[1].name[0]",
+                "duplicate",
+            ),
+            (
+                r#"{"methodConfig": [{"name": [{}]}, {"name": [{"service": ""}]}]}"#.into(),
+                "methodConfig[1].name[0]",
+                "duplicate",
+            ),
+            (
+                r#"{"methodConfig": [{"name": [{"service": "a/b"}]}]}"#.into(),
+                "methodConfig[0].name[0].service",
+                "'/'",
+            ),
+            (
+                r#"{"methodConfig": [{"name": [{"service": 1}]}]}"#.into(),
+                "methodConfig[0].name[0].service",
+                "must be a string",
+            ),
+            (r#"{"methodConfig": {}}"#.into(), "methodConfig", "must be an array"),
+            (r#"[]"#.into(), "", "must be an object"),
+            // retryPolicy, A6's validation.
+            (
+                retry(&GOOD.replace(r#""maxAttempts": 2"#, r#""maxAttempts": 1"#)),
+                "methodConfig[0].retryPolicy.maxAttempts",
+                "must be greater than 1, got 1",
+            ),
+            (
+                retry(&GOOD.replace(r#""maxAttempts": 2"#, r#""maxAttempts": 2.5"#)),
+                "methodConfig[0].retryPolicy.maxAttempts",
+                "integer",
+            ),
+            (
+                retry(&GOOD.replace(r#""maxAttempts": 2, "#, "")),
+                "methodConfig[0].retryPolicy.maxAttempts",
+                "is required",
+            ),
+            (
+                retry(&GOOD.replace(r#""0.01s", "maxBackoff""#, r#""0s", "maxBackoff""#)),
+                "methodConfig[0].retryPolicy.initialBackoff",
+                "greater than 0",
+            ),
+            (
+                retry(&GOOD.replace(r#""maxBackoff": "0.01s""#, r#""maxBackoff": "-1s""#)),
+                "methodConfig[0].retryPolicy.maxBackoff",
+                "negative",
+            ),
+            (
+                retry(&GOOD.replace(r#""maxBackoff": "0.01s""#, r#""maxBackoff": "10ms""#)),
+                "methodConfig[0].retryPolicy.maxBackoff",
+                "not a duration",
+            ),
+            (
+                retry(&GOOD.replace(r#""maxBackoff": "0.01s""#, r#""maxBackoff": 1"#)),
+                "methodConfig[0].retryPolicy.maxBackoff",
+                "duration string",
+            ),
+            (
+                retry(&GOOD.replace("1.0", "0")),
+                "methodConfig[0].retryPolicy.backoffMultiplier",
+                "greater than 0",
+            ),
+            (
+                retry(&GOOD.replace(r#"["UNAVAILABLE"]"#, "[]")),
+                "methodConfig[0].retryPolicy.retryableStatusCodes",
+                "must not be empty",
+            ),
+            (
+                retry(&GOOD.replace(r#"["UNAVAILABLE"]"#, r#"["UNAVAILABLE", "NOT_A_CODE"]"#)),
+                "methodConfig[0].retryPolicy.retryableStatusCodes[1]",
+                "not a gRPC status code name",
+            ),
+            (
+                retry(&GOOD.replace(r#"["UNAVAILABLE"]"#, "[17]")),
+                "methodConfig[0].retryPolicy.retryableStatusCodes[0]",
+                "0 to 16",
+            ),
+            (
+                retry(&GOOD.replace(r#"["UNAVAILABLE"]"#, "[14.5]")),
+                "methodConfig[0].retryPolicy.retryableStatusCodes[0]",
+                "integer",
+            ),
+            (
+                method(r#""timeout": "3c""#),
+                "methodConfig[0].timeout",
+                "not a duration",
+            ),
+            (
+                method(r#""hedgingPolicy": {"maxAttempts": 3}"#),
+                "methodConfig[0].hedgingPolicy",
+                "not supported",
+            ),
+            // retryThrottling (grpc-go: maxTokens in (0, 1000], tokenRatio > 0).
+            (
+                r#"{"retryThrottling": {"maxTokens": 1001, "tokenRatio": 0.1}}"#.into(),
+                "retryThrottling.maxTokens",
+                "(0, 1000]",
+            ),
+            (
+                r#"{"retryThrottling": {"maxTokens": 0, "tokenRatio": 0.1}}"#.into(),
+                "retryThrottling.maxTokens",
+                "(0, 1000]",
+            ),
+            (
+                r#"{"retryThrottling": {"maxTokens": 10, "tokenRatio": -0.1}}"#.into(),
+                "retryThrottling.tokenRatio",
+                "greater than 0",
+            ),
+            (
+                r#"{"retryThrottling": {"maxTokens": 10}}"#.into(),
+                "retryThrottling.tokenRatio",
+                "is required",
+            ),
+        ];
+        for (json, path, rule) in cases {
+            let e = reject(&json);
+            assert_eq!(e.path(), path, "{json}\n{e}");
+            assert!(e.rule().contains(rule), "{json}\nwanted {rule:?} in {e}");
+            assert!(e.to_string().contains(path), "{e}");
+        }
+        // The rule in the issue's own words.
+        let e = reject(&format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "a"}}]}}, {{"name": [{{"service": "b"}}], "retryPolicy": {{{}}}}}]}}"#,
+            GOOD.replace(r#""maxAttempts": 2"#, r#""maxAttempts": 1"#)
+        ));
+        assert_eq!(
+            e.to_string(),
+            "invalid service config: methodConfig[1].retryPolicy.maxAttempts: must be greater than 1, got 1"
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_json_errors_are_typed() {
+        parse(&method(
+            r#""waitForReady": true, "maxRequestMessageBytes": 1024, "somethingNew": {"x": [1]}"#,
+        ));
+        parse(
+            r#"{"healthCheckConfig": {"serviceName": "x"}, "loadBalancingConfig": [{"round_robin": {}}]}"#,
+        );
+        let e = reject(r#"{"methodConfig": [}"#);
+        assert_eq!(e.path(), "");
+        assert!(e.rule().starts_with("not valid JSON"), "{e}");
+    }
+
+    #[test]
+    fn max_attempts_above_five_count_as_five_however_large() {
+        for n in ["6", "5", "1e300", "18446744073709551616"] {
+            let config = parse(&retry(
+                &GOOD.replace(r#""maxAttempts": 2"#, &format!(r#""maxAttempts": {n}"#)),
+            ));
+            let table = config.policies(&RetryPolicy::default());
+            assert_eq!(table.policy_for("/foo/Bar").max_attempts(), 5, "{n}");
+        }
+        let e = reject(&retry(
+            &GOOD.replace(r#""maxAttempts": 2"#, r#""maxAttempts": -7"#),
+        ));
+        assert!(e.rule().contains("greater than 1"), "{e}");
+    }
+
+    #[test]
+    fn a_max_backoff_below_the_initial_one_waits_the_max() {
+        // A6 allows it (min(initial · multiplier^n, max)); RetryPolicy::new would not.
+        let config = parse(&retry(
+            &GOOD.replace(r#""maxBackoff": "0.01s""#, r#""maxBackoff": "0.005s""#),
+        ));
+        let base = RetryPolicy::new(3, 20 * MS, 500 * MS, 0.0).unwrap();
+        let table = config.policies(&base);
+        assert_eq!(table.policy_for("/foo/Bar").delay_before(1), 5 * MS);
+    }
+}

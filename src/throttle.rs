@@ -1,0 +1,235 @@
+//! gRPC's own retry throttling (gRFC A6 `retryThrottling`), as a budget.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::ConfigError;
+
+/// Thousandths of a token.
+const MILLI: u64 = 1_000;
+
+/// gRPC's retry throttling, as gRFC A6 defines it and grpc-go and grpc-java
+/// implement it: a token count shared by every call through the layer, which
+/// takes it as its budget.
+///
+/// * It starts **full**, at `max_tokens`.
+/// * Each **retryable failure** — every attempt that fails with a retryable
+///   status, the last one included, retried or not — takes one token.
+/// * Each **successful** call adds `token_ratio` tokens (kept to three
+///   decimals: `0.5466` counts as `0.546`), up to `max_tokens`.
+/// * **No retry** is made while the count is at or below half of
+///   `max_tokens`; the call ends with the failure's own status.
+///
+/// How it differs from [`RetryBudget`](crate::RetryBudget), the budget of
+/// this crate's design: a `RetryBudget` starts *half* full, charges only the
+/// retries it pays for (one token each, when sent), and refuses at zero, with
+/// `RESOURCE_EXHAUSTED`. The throttle charges failures, retried or not, and
+/// stops retries at half, so during an outage it keeps half its tokens in
+/// reserve and a failing call costs it one token per attempt. Use the
+/// throttle to behave as grpc-go and grpc-java clients with the same service
+/// config do; use `RetryBudget` to cap retries at a fraction of traffic.
+///
+/// Without `retryThrottling` a service config does not throttle retries:
+/// [`RetryThrottle::unlimited`] is that.
+///
+/// # Example
+///
+/// ```
+/// use tonic_retry::RetryThrottle;
+///
+/// # fn main() -> Result<(), tonic_retry::ConfigError> {
+/// let throttle = RetryThrottle::new(10.0, 0.1)?;
+/// assert_eq!(throttle.available(), Some(10.0));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RetryThrottle {
+    inner: Option<Arc<Tokens>>,
+}
+
+struct Tokens {
+    /// In thousandths, within `0..=max`.
+    count: AtomicU64,
+    max: u64,
+    ratio: u64,
+}
+
+impl RetryThrottle {
+    /// A throttle of `max_tokens` tokens, earning `token_ratio` per success.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] unless `max_tokens` is in `(0, 1000]` and
+    /// `token_ratio` is greater than 0 (both finite), as A6 requires.
+    pub fn new(max_tokens: f64, token_ratio: f64) -> Result<Self, ConfigError> {
+        if !(max_tokens.is_finite() && max_tokens > 0.0 && max_tokens <= 1000.0) {
+            return Err(ConfigError::new(
+                "max_tokens",
+                format!("must be in (0, 1000], got {max_tokens}"),
+            ));
+        }
+        if !(token_ratio.is_finite() && token_ratio > 0.0) {
+            return Err(ConfigError::new(
+                "token_ratio",
+                format!("must be a number greater than 0, got {token_ratio}"),
+            ));
+        }
+        // Both bounded above, so the conversions are exact enough and cannot
+        // overflow; truncation keeps three decimals, as grpc-java does.
+        let max = (max_tokens * MILLI as f64) as u64;
+        let ratio = ((token_ratio.min(1e12)) * MILLI as f64) as u64;
+        Ok(Self {
+            inner: Some(Arc::new(Tokens {
+                count: AtomicU64::new(max),
+                max,
+                ratio,
+            })),
+        })
+    }
+
+    /// No throttling: every retry the policy allows is made.
+    pub fn unlimited() -> Self {
+        Self { inner: None }
+    }
+
+    /// The token count, or `None` for [`unlimited`](Self::unlimited).
+    pub fn available(&self) -> Option<f64> {
+        self.inner
+            .as_ref()
+            .map(|t| t.count.load(Ordering::Relaxed) as f64 / MILLI as f64)
+    }
+
+    /// The most tokens, or `None` for [`unlimited`](Self::unlimited).
+    pub fn max_tokens(&self) -> Option<f64> {
+        self.inner.as_ref().map(|t| t.max as f64 / MILLI as f64)
+    }
+
+    /// Whether a retry may be made now: more than half the tokens are left.
+    pub fn allows_retry(&self) -> bool {
+        self.inner
+            .as_ref()
+            .is_none_or(|t| t.count.load(Ordering::Relaxed).saturating_mul(2) > t.max)
+    }
+
+    /// Records a retryable failure: one token less (never below zero).
+    pub(crate) fn on_retryable_failure(&self) {
+        if let Some(t) = &self.inner {
+            // NOTE: `Relaxed` suffices: the count publishes no other memory.
+            let _ = t
+                .count
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                    (c > 0).then(|| c.saturating_sub(MILLI))
+                });
+        }
+    }
+
+    /// Records a success: `token_ratio` more, up to the maximum.
+    pub(crate) fn on_success(&self) {
+        if let Some(t) = &self.inner {
+            let _ = t
+                .count
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                    (c < t.max).then(|| c.saturating_add(t.ratio).min(t.max))
+                });
+        }
+    }
+}
+
+impl Default for RetryThrottle {
+    /// [`RetryThrottle::unlimited`].
+    fn default() -> Self {
+        Self::unlimited()
+    }
+}
+
+impl tower::retry::budget::Budget for RetryThrottle {
+    fn deposit(&self) {
+        self.on_success();
+    }
+
+    /// Whether a retry may be sent: A6 charges failures, not retries, so this
+    /// takes nothing; the layer charges each retryable failure itself.
+    fn withdraw(&self) -> bool {
+        self.allows_retry()
+    }
+}
+
+impl fmt::Debug for RetryThrottle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inner {
+            None => f.write_str("RetryThrottle(unlimited)"),
+            Some(t) => f
+                .debug_struct("RetryThrottle")
+                .field(
+                    "available",
+                    &(t.count.load(Ordering::Relaxed) as f64 / MILLI as f64),
+                )
+                .field("max_tokens", &(t.max as f64 / MILLI as f64))
+                .field("token_ratio", &(t.ratio as f64 / MILLI as f64))
+                .finish(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn it_behaves_as_a6_says() {
+        // grpc-go's throttling test: maxTokens 10, tokenRatio 0.5.
+        let t = RetryThrottle::new(10.0, 0.5).unwrap();
+        assert_eq!(t.available(), Some(10.0), "starts full");
+        for left in [9.0, 8.0, 7.0, 6.0] {
+            t.on_retryable_failure();
+            assert_eq!(t.available(), Some(left));
+            assert!(t.allows_retry(), "{left} > 5");
+        }
+        t.on_retryable_failure();
+        assert_eq!(t.available(), Some(5.0));
+        assert!(!t.allows_retry(), "no retry at half");
+        t.on_success();
+        assert_eq!(t.available(), Some(5.5));
+        assert!(t.allows_retry());
+        for _ in 0..100 {
+            t.on_success();
+        }
+        assert_eq!(t.available(), Some(10.0), "capped at max");
+        for _ in 0..100 {
+            t.on_retryable_failure();
+        }
+        assert_eq!(t.available(), Some(0.0), "never below zero");
+    }
+
+    #[test]
+    fn the_ratio_keeps_three_decimals_and_bad_settings_are_errors() {
+        let t = RetryThrottle::new(3.0, 0.5466).unwrap();
+        t.on_retryable_failure();
+        t.on_success();
+        assert_eq!(t.available(), Some(2.546));
+        for (max, ratio, field) in [
+            (0.0, 0.1, "max_tokens"),
+            (-1.0, 0.1, "max_tokens"),
+            (1000.5, 0.1, "max_tokens"),
+            (f64::NAN, 0.1, "max_tokens"),
+            (10.0, 0.0, "token_ratio"),
+            (10.0, -0.1, "token_ratio"),
+            (10.0, f64::INFINITY, "token_ratio"),
+        ] {
+            assert_eq!(RetryThrottle::new(max, ratio).unwrap_err().field(), field);
+        }
+        assert!(RetryThrottle::new(1000.0, 1e300).is_ok(), "huge ratios cap");
+    }
+
+    #[test]
+    fn unlimited_always_allows() {
+        let t = RetryThrottle::unlimited();
+        for _ in 0..10 {
+            t.on_retryable_failure();
+        }
+        assert!(t.allows_retry());
+        assert_eq!(t.available(), None);
+    }
+}
