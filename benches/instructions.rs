@@ -2,8 +2,9 @@
 //! virtualised machine wall-clock timings move by ±15 % from run to run, while
 //! callgrind's instruction counts repeat exactly. It runs `N` calls (default
 //! 10,000) of one stack, chosen by `STACK`: `a` (no layer), `b` (tower's
-//! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`; the same stacks and
-//! request as `--bench overhead`. The cost of one call is the difference
+//! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`, `c-per-method`
+//! (per-method policies: 8 services, 33 methods); the same stacks and request
+//! as `--bench overhead`. The cost of one call is the difference
 //! between two runs, which cancels start-up:
 //!
 //! ```text
@@ -39,7 +40,8 @@ fn main() {
                 let policy = RetryPolicy::default().with_idempotency_key(false);
                 timed(layered(inner_ok(), policy), n, payload).await
             }
-            other => panic!("STACK must be a, b, c or c-no-key, not {other:?}"),
+            "c-per-method" => timed(layered_per_method(inner_ok()), n, payload).await,
+            other => panic!("STACK must be a, b, c, c-no-key or c-per-method, not {other:?}"),
         };
     });
 }

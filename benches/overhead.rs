@@ -42,6 +42,13 @@ fn overhead(c: &mut Criterion) {
         bench_stack!(
             group,
             rt,
+            "c_retry_layer_per_method",
+            layered_per_method(inner_ok()),
+            payload
+        );
+        bench_stack!(
+            group,
+            rt,
             "c_retry_layer_no_key",
             layered(
                 inner_ok(),

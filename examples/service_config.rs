@@ -35,7 +35,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         config.retry_throttle(),
     );
 
-    println!("service config: {path}");
+    println!("service config: examples/service_config.json");
     for method in METHODS {
         let policy = layer
             .policies()

@@ -166,7 +166,12 @@
 //!   settings against real servers.
 //! * [`RetryLayer::with_budget`]: pay for retries from any
 //!   [`tower::retry::budget::Budget`] (tower's `TpsBudget`, say) instead of a
-//!   [`RetryBudget`].
+//!   [`RetryBudget`]; [`RetryThrottle`] is gRPC's own retry throttling.
+//! * [`MethodPolicies`]: a policy per gRPC method (method, else service, else
+//!   default), and, with the `service-config` feature,
+//!   `service_config::ServiceConfig`: the gRPC service config JSON grpc-go and
+//!   grpc-java read (per-method `retryPolicy` and `timeout`,
+//!   `retryThrottling`).
 //!
 //! # Observability
 //!

@@ -159,6 +159,29 @@ pub fn layered<S>(inner: S, policy: RetryPolicy) -> tonic_retry::RetryService<S>
     layer.layer(inner)
 }
 
+/// (c) with per-method policies: a table of 8 services and 32 methods, the
+/// request's `GetBook` having an entry of its own (the longest lookup: the
+/// method map hit; `/GetBook` at a service entry would look up twice).
+pub fn layered_per_method<S>(inner: S) -> tonic_retry::RetryService<S> {
+    let mut table = tonic_retry::MethodPolicies::with_default(RetryPolicy::default());
+    for s in 0..8 {
+        let service = format!("bench.v{s}.Service");
+        table = table
+            .with_service(&service, RetryPolicy::default())
+            .expect("distinct names");
+        for m in 0..4 {
+            table = table
+                .with_method(&service, &format!("Method{m}"), RetryPolicy::default())
+                .expect("distinct names");
+        }
+    }
+    let table = table
+        .with_method("library.v1.Library", "GetBook", RetryPolicy::default())
+        .expect("distinct names");
+    let layer = RetryLayer::new(table, RetryBudget::new(1_000, 0.1).expect("a valid budget"));
+    layer.layer(inner)
+}
+
 /// One call, to the end of the response.
 pub async fn call<S, R>(svc: &mut S, payload: &'static [u8])
 where
