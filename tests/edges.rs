@@ -12,8 +12,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response};
+use http::{HeaderValue, Request, Response};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
@@ -36,40 +35,6 @@ async fn bounded<F: Future>(f: F) -> F::Output {
 
 fn policy(attempts: u32) -> RetryPolicy {
     RetryPolicy::new(attempts, 20 * MS, 500 * MS, 0.2).unwrap()
-}
-
-type Tx = mpsc::UnboundedSender<Result<Frame<Bytes>, tonic::Status>>;
-
-fn streaming_request() -> (Tx, Request<Body>) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let body = Body::new(http_body_util::StreamBody::new(
-        tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
-    ));
-    let mut req = request();
-    *req.body_mut() = body;
-    (tx, req)
-}
-
-fn data(s: &'static str) -> Result<Frame<Bytes>, tonic::Status> {
-    Ok(Frame::data(Bytes::from_static(s.as_bytes())))
-}
-
-/// A committed response whose body the test feeds by hand.
-fn streaming_response() -> (Tx, Response<Body>) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let r = Response::builder()
-        .header("content-type", "application/grpc")
-        .body(Body::new(http_body_util::StreamBody::new(
-            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
-        )))
-        .unwrap();
-    (tx, r)
-}
-
-fn ok_trailers() -> HeaderMap {
-    let mut t = HeaderMap::new();
-    t.insert("grpc-status", HeaderValue::from_static("0"));
-    t
 }
 
 // ---------------------------------------------------------------------------

@@ -639,20 +639,6 @@ async fn a_huge_instance_id_from_a_server_is_skipped() {
 // §7a: replay memory ends when retries end
 // ---------------------------------------------------------------------------
 
-/// A request whose body the test writes chunk by chunk.
-fn streaming_request() -> (
-    mpsc::UnboundedSender<Result<Frame<Bytes>, tonic::Status>>,
-    Request<Body>,
-) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let body = Body::new(http_body_util::StreamBody::new(
-        tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
-    ));
-    let mut req = request();
-    *req.body_mut() = body;
-    (tx, req)
-}
-
 /// A chunk of fresh memory, and a handle that tells whether anyone else still
 /// holds it.
 fn fresh_chunk(i: usize) -> (Bytes, Bytes) {

@@ -11,7 +11,6 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Frame;
 use http_body_util::BodyExt;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
@@ -506,29 +505,12 @@ async fn layer_made_errors_are_trailers_only_grpc_responses() {
     assert!(response.into_body().frame().await.is_none(), "no body");
 }
 
-/// A request whose body is fed by hand.
-fn streaming_request() -> (
-    mpsc::UnboundedSender<Result<Frame<Bytes>, tonic::Status>>,
-    Request<Body>,
-) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let body =
-        http_body_util::StreamBody::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
-    let mut req = request();
-    *req.body_mut() = Body::new(body);
-    (tx, req)
-}
-
-fn chunk(s: &'static str) -> Result<Frame<Bytes>, tonic::Status> {
-    Ok(Frame::data(Bytes::from_static(s.as_bytes())))
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_retry_replays_the_same_bytes_and_trailers() {
     let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
     let (tx, req) = streaming_request();
     for s in ["abc", "def"] {
-        tx.send(chunk(s)).unwrap();
+        tx.send(data(s)).unwrap();
     }
     let mut trailers = HeaderMap::new();
     trailers.insert("x-checksum", HeaderValue::from_static("6"));
@@ -558,7 +540,7 @@ async fn a_body_over_the_replay_limit_is_delivered_whole_and_not_retried() {
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let (tx, req) = streaming_request();
     for s in ["0123", "4567", "89ab", "cdef"] {
-        tx.send(chunk(s)).unwrap();
+        tx.send(data(s)).unwrap();
     }
     drop(tx);
     let call = spawn_call(&mut svc, req).await;
@@ -579,13 +561,13 @@ async fn a_streaming_body_is_not_held_back_until_it_ends() {
     // The attempt arrives before the caller has sent anything.
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
-    tx.send(chunk("first")).unwrap();
+    tx.send(data("first")).unwrap();
     let frame = body.frame().await.unwrap().unwrap();
     assert_eq!(frame.into_data().unwrap(), "first");
     // The body is still open; the server answers anyway.
     send.send_response(ok());
     assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
-    tx.send(chunk("second")).unwrap();
+    tx.send(data("second")).unwrap();
     let frame = body.frame().await.unwrap().unwrap();
     assert_eq!(frame.into_data().unwrap(), "second");
 }
@@ -597,7 +579,7 @@ async fn a_retry_mid_stream_replays_then_reads_on() {
     let call = spawn_call(&mut svc, req).await;
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
-    tx.send(chunk("one,")).unwrap();
+    tx.send(data("one,")).unwrap();
     assert_eq!(
         body.frame().await.unwrap().unwrap().into_data().unwrap(),
         "one,"
@@ -605,7 +587,7 @@ async fn a_retry_mid_stream_replays_then_reads_on() {
     send.send_response(status(Code::Unavailable));
     drop(body);
     let (req, send, _) = next(&mut handle).await;
-    tx.send(chunk("two")).unwrap();
+    tx.send(data("two")).unwrap();
     drop(tx);
     let replayed = req.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(replayed, "one,two");

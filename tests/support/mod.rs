@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response};
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body::Frame;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
@@ -119,4 +121,42 @@ pub fn parse_timeout(s: &str) -> Duration {
         "S" => Duration::from_secs(n),
         other => panic!("unexpected unit {other}"),
     }
+}
+
+/// Feeds a body written by hand.
+pub type Tx = mpsc::UnboundedSender<Result<Frame<Bytes>, tonic::Status>>;
+
+fn channel_body() -> (Tx, Body) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let body =
+        http_body_util::StreamBody::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+    (tx, Body::new(body))
+}
+
+/// A request whose body the test writes chunk by chunk.
+pub fn streaming_request() -> (Tx, Request<Body>) {
+    let (tx, body) = channel_body();
+    let mut req = request();
+    *req.body_mut() = body;
+    (tx, req)
+}
+
+/// A committed response whose body the test writes chunk by chunk.
+pub fn streaming_response() -> (Tx, Response<Body>) {
+    let (tx, body) = channel_body();
+    let mut response = ok();
+    *response.body_mut() = body;
+    (tx, response)
+}
+
+/// A data frame.
+pub fn data(s: &'static str) -> Result<Frame<Bytes>, tonic::Status> {
+    Ok(Frame::data(Bytes::from_static(s.as_bytes())))
+}
+
+/// Trailers carrying `grpc-status: 0`.
+pub fn ok_trailers() -> HeaderMap {
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    trailers
 }
