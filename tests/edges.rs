@@ -56,15 +56,9 @@ async fn commit_while_the_retry_is_still_replaying_keeps_its_body_whole() {
     let (req1, send1, _) = next(&mut handle).await;
     let mut body1 = req1.into_body();
     tx.send(data("one ")).unwrap();
-    assert_eq!(
-        body1.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "one "
-    );
+    assert_eq!(next_data(&mut body1).await, "one ");
     tx.send(data("two ")).unwrap();
-    assert_eq!(
-        body1.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "two "
-    );
+    assert_eq!(next_data(&mut body1).await, "two ");
     drop(body1);
     send1.send_response(status(Code::Unavailable));
 
@@ -97,18 +91,12 @@ async fn the_last_attempt_survives_a_late_read_by_the_failed_attempt() {
     let (req1, send1, _) = next(&mut handle).await;
     let mut body1 = req1.into_body();
     tx.send(data("one ")).unwrap();
-    assert_eq!(
-        body1.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "one "
-    );
+    assert_eq!(next_data(&mut body1).await, "one ");
     send1.send_response(status(Code::Unavailable));
 
     let (req2, send2, _) = next(&mut handle).await;
     let mut body2 = req2.into_body();
-    assert_eq!(
-        body2.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "one "
-    );
+    assert_eq!(next_data(&mut body2).await, "one ");
     // The failed attempt's pipe pulls the next chunk before its stream is
     // reset: it must not take it from the live attempt.
     tx.send(data("two")).unwrap();
@@ -692,18 +680,12 @@ async fn a_dead_attempts_late_read_breaks_the_live_attempt_over_the_cap() {
     let (req1, send1, _) = next(&mut handle).await;
     let mut body1 = req1.into_body();
     tx.send(data("1234")).unwrap();
-    assert_eq!(
-        body1.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "1234"
-    );
+    assert_eq!(next_data(&mut body1).await, "1234");
     send1.send_response(status(Code::Unavailable));
 
     let (req2, send2, _) = next(&mut handle).await;
     let mut body2 = req2.into_body();
-    assert_eq!(
-        body2.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "1234"
-    );
+    assert_eq!(next_data(&mut body2).await, "1234");
     // The failed attempt's pipe pulls the next chunk before its reset arrives.
     tx.send(data("56789")).unwrap();
     let late = body1.frame().await.unwrap();
@@ -734,10 +716,7 @@ async fn live_clone_woken_after_dead_clone_errors() {
     let (req1, send1, _) = next(&mut handle).await;
     let mut body1 = req1.into_body();
     tx.send(data("one ")).unwrap();
-    assert_eq!(
-        body1.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "one "
-    );
+    assert_eq!(next_data(&mut body1).await, "one ");
     send1.send_response(status(Code::Unavailable));
 
     let (req2, send2, _) = next(&mut handle).await;
@@ -862,10 +841,7 @@ async fn release_mid_replay_after_trailers() {
     send1.send_response(status(Code::Unavailable));
     let (req2, send2, _) = next(&mut handle).await;
     let mut body2 = req2.into_body();
-    assert_eq!(
-        body2.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "ab"
-    );
+    assert_eq!(next_data(&mut body2).await, "ab");
     send2.send_response(ok());
     assert_eq!(code_of(&bounded(call).await.unwrap().unwrap()), Code::Ok);
     assert_eq!(http_body::Body::size_hint(&body2).exact(), Some(2));

@@ -101,12 +101,7 @@ async fn the_event_says_when_a_layer_below_already_retried_and_when_this_one_mar
     call.await.unwrap().unwrap();
 
     // A failure this layer gives up on after retrying: marked, and said so.
-    let call = spawn_call(&mut svc, request()).await;
-    for _ in 0..3 {
-        let (_, send, _) = next(&mut handle).await;
-        send.send_response(status(Code::Unavailable));
-    }
-    call.await.unwrap().unwrap();
+    unavailable_every_time(&mut svc, &mut handle, 3).await;
 
     let events = events.0.lock().unwrap().clone();
     let get = |fields: &Fields, key: &str| {

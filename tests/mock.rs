@@ -93,12 +93,7 @@ async fn final_codes_are_never_retried() {
 #[tokio::test(start_paused = true)]
 async fn attempts_run_out_with_the_last_status() {
     let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
-    let call = spawn_call(&mut svc, request()).await;
-    for _ in 0..3 {
-        let (_, send, _) = next(&mut handle).await;
-        send.send_response(status(Code::Unavailable));
-    }
-    let response = call.await.unwrap().unwrap();
+    let response = unavailable_every_time(&mut svc, &mut handle, 3).await;
     assert_eq!(code_of(&response), Code::Unavailable);
     assert_eq!(layer.metrics().attempts(), 3);
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -580,10 +575,7 @@ async fn a_retry_mid_stream_replays_then_reads_on() {
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
     tx.send(data("one,")).unwrap();
-    assert_eq!(
-        body.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "one,"
-    );
+    assert_eq!(next_data(&mut body).await, "one,");
     send.send_response(status(Code::Unavailable));
     drop(body);
     let (req, send, _) = next(&mut handle).await;

@@ -30,12 +30,7 @@ fn marked(code: Code) -> Response<Body> {
 #[tokio::test(start_paused = true)]
 async fn giving_up_after_retrying_marks_the_failure() {
     let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
-    let call = spawn_call(&mut svc, request()).await;
-    for _ in 0..3 {
-        let (_, send, _) = next(&mut handle).await;
-        send.send_response(status(Code::Unavailable));
-    }
-    let response = call.await.unwrap().unwrap();
+    let response = unavailable_every_time(&mut svc, &mut handle, 3).await;
     assert_eq!(code_of(&response), Code::Unavailable);
     assert_eq!(
         message_of(&response),
@@ -146,12 +141,7 @@ async fn failures_this_layer_did_not_retry_are_not_marked() {
 async fn with_the_mark_off_nothing_is_marked() {
     let policy = RetryPolicy::default().with_retry_at_one_layer(false);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let call = spawn_call(&mut svc, request()).await;
-    for _ in 0..3 {
-        let (_, send, _) = next(&mut handle).await;
-        send.send_response(status(Code::Unavailable));
-    }
-    let response = call.await.unwrap().unwrap();
+    let response = unavailable_every_time(&mut svc, &mut handle, 3).await;
     assert_eq!(code_of(&response), Code::Unavailable);
     assert_eq!(mark_of(&response), None);
     assert_eq!(layer.metrics().marked(), 0);

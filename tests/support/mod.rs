@@ -97,6 +97,30 @@ pub async fn next(
     (req, send, Instant::now())
 }
 
+/// Answers `n` attempts of one call with Trailers-Only UNAVAILABLE and returns
+/// what the caller got.
+pub async fn unavailable_every_time(
+    svc: &mut Svc,
+    handle: &mut Handle,
+    n: usize,
+) -> Response<ResponseBody<Body>> {
+    let call = spawn_call(svc, request()).await;
+    for _ in 0..n {
+        let (_, send, _) = next(handle).await;
+        send.send_response(status(Code::Unavailable));
+    }
+    call.await
+        .expect("the call task")
+        .expect("the layer answers")
+}
+
+/// The next frame of a request body, which must be data.
+pub async fn next_data(body: &mut Body) -> Bytes {
+    use http_body_util::BodyExt;
+    let frame = body.frame().await.expect("a frame").expect("no error");
+    frame.into_data().expect("a data frame")
+}
+
 pub trait NowOrNever: std::future::Future + Sized {
     fn now_or_never(self) -> Option<Self::Output> {
         let waker = std::task::Waker::noop();
