@@ -179,6 +179,11 @@ impl CallState {
         } = outcome;
         let budget = &shared.budget;
         if out_of_time {
+            if self.sent == 0 {
+                // The first attempt found no time to be sent: the deadline
+                // passed, and no retry was refused.
+                return Decision::Done("call deadline exceeded before an attempt was sent");
+            }
             // A retry found no time left to be sent: refused by the deadline,
             // whatever attempts were left.
             return Decision::NoTime {
@@ -601,11 +606,15 @@ fn finish<RB>(result: &mut Result<Response<ResponseBody<RB>>, Failure>, state: &
         // An attempt cut before it was sent answered nothing: say what the
         // last one sent did.
         Err(Failure::Cut { why, sent: false }) => {
-            let message = format!(
-                "{} before it could be sent; {}",
-                why.message(),
-                state.ended_with(None)
-            );
+            let message = if state.sent == 0 {
+                format!("{} before the call could be sent", why.message())
+            } else {
+                format!(
+                    "{} before the retry could be sent; {}",
+                    why.message(),
+                    state.ended_with(None)
+                )
+            };
             *result = Ok(status_response(Code::DeadlineExceeded, message));
         }
         Err(failure) => *result = Ok(failure_response(failure, state.sent)),

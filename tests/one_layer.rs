@@ -137,6 +137,60 @@ async fn failures_this_layer_did_not_retry_are_not_marked() {
     assert_eq!(mark_of(&response), None, "a body that cannot be replayed");
 }
 
+/// A call whose first attempt could not be sent before the deadline (the
+/// service below never ready, or no time at all) retried nothing and was
+/// refused no retry: not marked, not counted as a deadline refusal, whatever
+/// attempts the policy allows.
+#[tokio::test(start_paused = true)]
+async fn a_call_never_sent_is_not_marked() {
+    for policy in [RetryPolicy::no_retry(), RetryPolicy::default()] {
+        let attempts = policy.max_attempts();
+        // The service below is never ready before the 50 ms deadline.
+        let (mut svc, mut handle, layer) = setup(policy.clone(), budget());
+        handle.allow(0);
+        let call = spawn_call(&mut svc, with_timeout(request(), "50m")).await;
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(code_of(&response), Code::DeadlineExceeded);
+        assert_eq!(
+            message_of(&response),
+            "call deadline exceeded before the call could be sent"
+        );
+        assert_eq!(mark_of(&response), None, "{attempts} attempts, never ready");
+        assert_eq!(layer.metrics().marked(), 0);
+        assert_eq!(layer.metrics().refused_by_deadline(), 0);
+
+        // The caller's deadline has already passed.
+        let (mut svc, _handle, layer) = setup(policy, budget());
+        let call = spawn_call(&mut svc, with_timeout(request(), "0m")).await;
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(code_of(&response), Code::DeadlineExceeded);
+        assert_eq!(mark_of(&response), None, "{attempts} attempts, no time");
+        assert_eq!(layer.metrics().marked(), 0);
+        assert_eq!(layer.metrics().refused_by_deadline(), 0);
+    }
+}
+
+/// A retry that could not be sent before the deadline was refused by it:
+/// marked and counted, after the first attempt's failure.
+#[tokio::test(start_paused = true)]
+async fn a_retry_never_sent_is_marked() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "200m")).await;
+    let (_, send, _) = next(&mut handle).await;
+    // The service below stops being ready after the first attempt.
+    handle.allow(0);
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(
+        message_of(&response),
+        "call deadline exceeded; attempt 1 ended with UNAVAILABLE"
+    );
+    assert_eq!(mark_of(&response), Some("-1"));
+    assert_eq!(layer.metrics().marked(), 1);
+    assert_eq!(layer.metrics().refused_by_deadline(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn with_the_mark_off_nothing_is_marked() {
     let policy = RetryPolicy::default().with_retry_at_one_layer(false);
