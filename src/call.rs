@@ -195,15 +195,22 @@ impl CallState {
             Budget::deposit(budget);
             return Decision::Done("succeeded");
         }
+        // A method that never retries charges gRPC's throttle nothing, as in
+        // grpc-go and grpc-java (a method without a retry policy).
+        let retries = policy.max_attempts > 1;
         if let Verdict::RetriedBelow(_) = verdict {
-            budget::on_retryable_failure(budget);
+            if retries {
+                budget::on_retryable_failure(budget);
+            }
             shared.metrics.record(Event::RetriedBelow);
             return Decision::Done("not retried: a layer below already retried");
         }
         let Verdict::Retryable { server_delay, .. } = verdict else {
             return Decision::Done("not retryable");
         };
-        budget::on_retryable_failure(budget);
+        if retries {
+            budget::on_retryable_failure(budget);
+        }
         if let Some(id) = instance {
             self.tried.record(id);
         }

@@ -15,7 +15,10 @@ const MILLI: u64 = 1_000;
 ///
 /// * It starts **full**, at `max_tokens`.
 /// * Each **retryable failure** — every attempt that fails with a retryable
-///   status, the last one included, retried or not — takes one token.
+///   status, the last one included, retried or not — takes one token. A
+///   method that is never retried (one attempt, as for a method without a
+///   `retryPolicy` in a service config) takes none, as in grpc-go and
+///   grpc-java.
 /// * Each **successful** call adds `token_ratio` tokens (kept to three
 ///   decimals: `0.5466` counts as `0.546`), up to `max_tokens`.
 /// * **No retry** is made while the count is at or below half of
@@ -76,10 +79,8 @@ impl RetryThrottle {
                 format!("must be a number greater than 0, got {token_ratio}"),
             ));
         }
-        // Both bounded above, so the conversions are exact enough and cannot
-        // overflow; truncation keeps three decimals, as grpc-java does.
-        let max = (max_tokens * MILLI as f64) as u64;
-        let ratio = ((token_ratio.min(1e12)) * MILLI as f64) as u64;
+        let max = thousandths(max_tokens);
+        let ratio = thousandths(token_ratio.min(1e12));
         Ok(Self {
             inner: Some(Arc::new(Tokens {
                 count: AtomicU64::new(max),
@@ -137,6 +138,21 @@ impl RetryThrottle {
     }
 }
 
+/// `value` in thousandths, further decimals dropped (A6), as it was written:
+/// 1.001 is 1000.9999… thousandths in binary floating point, yet 1001. A
+/// product within a few units in the last place of a whole number is that
+/// number; any other is truncated (0.5466 is 546). `value` is positive and at
+/// most 10¹², so the product fits.
+fn thousandths(value: f64) -> u64 {
+    let scaled = value * MILLI as f64;
+    let nearest = scaled.round();
+    if (scaled - nearest).abs() <= nearest * 1e-12 {
+        nearest as u64
+    } else {
+        scaled as u64
+    }
+}
+
 impl Default for RetryThrottle {
     /// [`RetryThrottle::unlimited`].
     fn default() -> Self {
@@ -176,6 +192,22 @@ impl fmt::Debug for RetryThrottle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn three_decimals_are_kept_as_written_and_more_dropped() {
+        // Every value of three decimals up to the largest `max_tokens`, read
+        // from its decimal text as a JSON parser reads it.
+        for n in 1..=1_000_000u64 {
+            let written = format!("{}.{:03}", n / 1000, n % 1000);
+            let value: f64 = written.parse().unwrap();
+            assert_eq!(thousandths(value), n, "{written}");
+            // A fourth decimal is dropped, whatever it is.
+            let longer: f64 = format!("{written}9").parse().unwrap();
+            assert_eq!(thousandths(longer), n, "{written}9");
+        }
+        assert_eq!(thousandths(1e12), 1_000_000_000_000_000);
+        assert_eq!(thousandths(0.0009), 0);
+    }
 
     #[test]
     fn it_behaves_as_a6_says() {

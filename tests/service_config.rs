@@ -65,6 +65,102 @@ async fn a6_throttling_charges_failures_and_stops_retries_at_half() {
     assert!(throttle.allows_retry());
 }
 
+type Throttled = tonic_retry::RetryService<
+    mock::Mock<http::Request<tonic::body::Body>, http::Response<tonic::body::Body>>,
+    RetryThrottle,
+>;
+
+/// A layer built from `json`'s per-method policies and throttle, over a mock.
+fn throttled(json: &str) -> (Throttled, Handle, RetryThrottle) {
+    let config: ServiceConfig = json.parse().unwrap();
+    let throttle = config.retry_throttle();
+    let layer = RetryLayer::with_budget(config.policies(&RetryPolicy::default()), throttle.clone());
+    let (inner, handle) = mock::pair();
+    (layer.layer(inner), handle, throttle)
+}
+
+/// One call to `path` whose attempts are answered with `answers` in turn
+/// (`ok()` once they run out): the attempts made, and the code the caller got.
+async fn call_to(
+    svc: &mut Throttled,
+    handle: &mut Handle,
+    path: &str,
+    answers: &[Code],
+) -> (usize, Code) {
+    use tower::{Service, ServiceExt};
+    let mut req = request();
+    *req.uri_mut() = format!("http://library{path}").parse().unwrap();
+    let call = tokio::spawn(svc.ready().await.unwrap().call(req));
+    let mut attempts = 0;
+    while let Ok(Some((_, send))) =
+        tokio::time::timeout(Duration::from_secs(1), handle.next_request()).await
+    {
+        match answers.get(attempts) {
+            Some(&code) => send.send_response(status(code)),
+            None => send.send_response(ok()),
+        }
+        attempts += 1;
+    }
+    let response = call.await.unwrap().unwrap();
+    (attempts, code_of(&response))
+}
+
+const THROTTLED: &str = r#"{
+  "methodConfig": [{
+    "name": [{ "service": "library.v1.Library", "method": "GetBook" }],
+    "retryPolicy": { "maxAttempts": 3, "initialBackoff": "0.001s", "maxBackoff": "0.001s",
+                     "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"] }
+  }],
+  "retryThrottling": { "maxTokens": 10, "tokenRatio": 0.1 }
+}"#;
+
+/// grpc-go and grpc-java charge the throttle only for methods with a retry
+/// policy: failures of a method the config does not retry must not use up
+/// the tokens of the methods it does.
+#[tokio::test(start_paused = true)]
+async fn methods_that_never_retry_do_not_drain_the_throttle() {
+    let (mut svc, mut handle, throttle) = throttled(THROTTLED);
+    let reserve = "/library.v1.Library/ReserveStock";
+    for _ in 0..6 {
+        let got = call_to(&mut svc, &mut handle, reserve, &[Code::Unavailable]).await;
+        assert_eq!(got, (1, Code::Unavailable), "ReserveStock is not retried");
+    }
+    assert_eq!(throttle.available(), Some(10.0));
+    let get_book = "/library.v1.Library/GetBook";
+    let got = call_to(&mut svc, &mut handle, get_book, &[Code::Unavailable]).await;
+    assert_eq!(got, (2, Code::Ok), "GetBook is retried");
+    assert_eq!(throttle.available(), Some(9.1));
+}
+
+/// `tokenRatio` and `maxTokens` keep three decimals as written, although
+/// 1.001 × 1000 is 1000.9999… in binary floating point.
+#[tokio::test(start_paused = true)]
+async fn three_decimals_are_kept_as_written() {
+    let json = THROTTLED.replace(
+        r#""maxTokens": 10, "tokenRatio": 0.1"#,
+        r#""maxTokens": 100, "tokenRatio": 1.001"#,
+    );
+    let (mut svc, mut handle, throttle) = throttled(&json);
+    let get_book = "/library.v1.Library/GetBook";
+    let failures = [Code::Unavailable; 3];
+    let got = call_to(&mut svc, &mut handle, get_book, &failures).await;
+    assert_eq!(got, (3, Code::Unavailable));
+    assert_eq!(throttle.available(), Some(97.0));
+    let got = call_to(&mut svc, &mut handle, get_book, &[]).await;
+    assert_eq!(got, (1, Code::Ok));
+    assert_eq!(throttle.available(), Some(98.001));
+
+    for (written, kept) in [
+        (2.002, 2.002),
+        (0.5466, 0.546),
+        (1.003, 1.003),
+        (999.999, 999.999),
+    ] {
+        let t = RetryThrottle::new(written, 0.1).unwrap();
+        assert_eq!(t.max_tokens(), Some(kept), "maxTokens {written}");
+    }
+}
+
 #[tokio::test]
 async fn one_channel_two_methods_two_policies() {
     let config: ServiceConfig = r#"{
