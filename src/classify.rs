@@ -190,7 +190,7 @@ pub(crate) fn code_for_http_status(status: StatusCode) -> Code {
     }
 }
 
-enum Pushback {
+pub(crate) enum Pushback {
     Absent,
     After(Duration),
     /// A negative integer: "do not retry", as a retry layer that gave up says it.
@@ -210,15 +210,23 @@ fn pushback(headers: &HeaderMap) -> Pushback {
     if values.next().is_some() {
         return Pushback::Stop;
     }
-    let digits = value.as_bytes();
-    if let Some(magnitude) = digits.strip_prefix(b"-")
-        && !magnitude.is_empty()
-        && magnitude.iter().all(u8::is_ascii_digit)
-    {
-        return Pushback::Refused;
-    }
+    pushback_value(value.as_bytes())
+}
+
+/// One `grpc-retry-pushback-ms` value, read as the integer grpc-go, grpc-java
+/// and C-core read it: an optional sign, then decimal digits. `-0` is zero,
+/// not negative; `+5` is 5.
+pub(crate) fn pushback_value(value: &[u8]) -> Pushback {
+    let (negative, digits) = match value {
+        [b'-', digits @ ..] => (true, digits),
+        [b'+', digits @ ..] => (false, digits),
+        digits => (false, digits),
+    };
     if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
         return Pushback::Stop;
+    }
+    if negative && digits.iter().any(|&d| d != b'0') {
+        return Pushback::Refused;
     }
     digits
         .iter()
@@ -692,11 +700,27 @@ mod tests {
                 server_delay: Some(Duration::ZERO),
             }
         );
+        // A sign is read as gRPC's clients read one: "-0" is zero, "+5" five.
+        for (value, ms) in [("-0", 0), ("-000", 0), ("+5", 5), ("+0", 0), ("007", 7)] {
+            let h = headers(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", value)]);
+            assert_eq!(
+                judge(&h),
+                Verdict::Retryable {
+                    code: Code::Unavailable,
+                    server_delay: Some(Duration::from_millis(ms)),
+                },
+                "pushback {value:?}"
+            );
+        }
         for junk in [
             "xxx",
             "",
             "1.5",
-            "+5",
+            "+",
+            "+-1",
+            "-+1",
+            " 5",
+            "5 ",
             "-",
             "--1",
             "99999999999999999999999",

@@ -301,11 +301,12 @@ pub trait RetryMarkExt {
 
 impl RetryMarkExt for tonic::Status {
     fn retried_below(&self) -> bool {
-        self.metadata()
-            .get(RETRY_PUSHBACK)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix('-'))
-            .is_some_and(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+        self.metadata().get(RETRY_PUSHBACK).is_some_and(|v| {
+            matches!(
+                crate::classify::pushback_value(v.as_bytes()),
+                crate::classify::Pushback::Refused
+            )
+        })
     }
 
     fn keep_retry_mark(mut self, from: &tonic::Status) -> Self {
@@ -391,6 +392,8 @@ mod tests {
         for (value, marked) in [
             ("-1", true),
             ("-250", true),
+            ("-0", false),
+            ("+1", false),
             ("250", false),
             ("-", false),
             ("x", false),

@@ -344,6 +344,10 @@ fn pushback(rng: &mut StdRng) -> HeaderValue {
                 "",
                 "1.5",
                 "+5",
+                "-0",
+                "-00",
+                "+",
+                "+-1",
                 "4000000000",
                 "18446744073709551615",
                 "99999999999999999999999",
@@ -504,8 +508,16 @@ fn clearly_final(answer: &Answer) -> bool {
             .iter()
             .filter(|(k, _)| k == "grpc-retry-pushback-ms")
             .collect();
-        let digits = value.as_bytes();
-        let plain = !digits.is_empty() && digits.iter().all(u8::is_ascii_digit);
+        // A non-negative integer, as gRPC's clients read one: a sign may
+        // lead, and "-0" is zero.
+        let text = value.to_str().unwrap_or("x");
+        let (negative, digits) = match text.strip_prefix('-') {
+            Some(rest) => (true, rest),
+            None => (false, text.strip_prefix('+').unwrap_or(text)),
+        };
+        let plain = !digits.is_empty()
+            && digits.bytes().all(|d| d.is_ascii_digit())
+            && !(negative && digits.bytes().any(|d| d != b'0'));
         let canonical_code = get("grpc-status")
             .is_some_and(|v| ["4", "8", "14"].contains(&v.to_str().unwrap_or("")));
         if canonical_code && (all.len() > 1 || !plain) {

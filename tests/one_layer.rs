@@ -236,3 +236,23 @@ async fn a_final_code_with_a_mark_is_just_final() {
     assert_eq!(code_of(&response), Code::Aborted);
     assert_eq!(layer.metrics().retried_below(), 0, "never retryable anyway");
 }
+
+/// "-0" is the integer zero, as grpc-go, grpc-java and C-core read it: a
+/// pushback of no delay, not the mark.
+#[tokio::test(start_paused = true)]
+async fn minus_zero_is_no_delay_not_the_mark() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, failed_at) = next(&mut handle).await;
+    let mut r = status(Code::Unavailable);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("-0"));
+    send.send_response(r);
+    let retry = tokio::time::timeout(std::time::Duration::from_secs(1), next(&mut handle)).await;
+    let (_, send, retried_at) = retry.expect("\"-0\" was not retried");
+    assert_eq!(retried_at, failed_at, "retried at once");
+    send.send_response(ok());
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok);
+    assert_eq!(layer.metrics().retried_below(), 0);
+}
