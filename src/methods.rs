@@ -111,6 +111,17 @@ impl MethodPolicies {
     /// [`ConfigError`] if `service` is empty, contains `/`, or already has a
     /// policy.
     pub fn with_service(mut self, service: &str, policy: RetryPolicy) -> Result<Self, ConfigError> {
+        self.insert_service(service, policy)?;
+        Ok(self)
+    }
+
+    /// [`with_service`](Self::with_service) in place; on an error the table
+    /// is unchanged.
+    pub(crate) fn insert_service(
+        &mut self,
+        service: &str,
+        policy: RetryPolicy,
+    ) -> Result<(), ConfigError> {
         check_name("service", service)?;
         if self.services.contains_key(service) {
             return Err(ConfigError::new(
@@ -120,7 +131,7 @@ impl MethodPolicies {
         }
         let index = self.push(policy);
         self.services.insert(service.into(), index);
-        Ok(self)
+        Ok(())
     }
 
     /// Gives `method` of `service` (`package.Service`, `Method`) `policy`.
@@ -135,6 +146,18 @@ impl MethodPolicies {
         method: &str,
         policy: RetryPolicy,
     ) -> Result<Self, ConfigError> {
+        self.insert_method(service, method, policy)?;
+        Ok(self)
+    }
+
+    /// [`with_method`](Self::with_method) in place; on an error the table is
+    /// unchanged.
+    pub(crate) fn insert_method(
+        &mut self,
+        service: &str,
+        method: &str,
+        policy: RetryPolicy,
+    ) -> Result<(), ConfigError> {
         check_name("service", service)?;
         check_name("method", method)?;
         let path = format!("{service}/{method}");
@@ -146,7 +169,7 @@ impl MethodPolicies {
         }
         let index = self.push(policy);
         self.methods.insert(path.into(), index);
-        Ok(self)
+        Ok(())
     }
 
     /// The default policy: for methods of services that have no entry.

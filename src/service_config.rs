@@ -49,7 +49,8 @@
 //!   `maxBackoff` durations greater than 0; `backoffMultiplier` a number
 //!   greater than 0; `retryableStatusCodes` a non-empty list of codes, each an
 //!   integer (`14`) or a name in any case (`"UNAVAILABLE"`, `"unavailable"`).
-//!   `perAttemptRecvTimeout`, where present, is the per-attempt timeout. The
+//!   `perAttemptRecvTimeout`, where present, is the per-attempt timeout,
+//!   greater than 0 as C-core requires. The
 //!   jitter, and everything A6 does not set (replay limit, key, marks), come
 //!   from the base [`RetryPolicy`] given to [`ServiceConfig::policies`].
 //! * `timeout`: the method's deadline; a call's deadline is the sooner of it
@@ -255,16 +256,12 @@ impl ServiceConfig {
         // NOTE: the names were checked when the config was parsed (non-empty,
         // no '/', each once), so the table takes every one.
         for (service, config) in &self.services {
-            table = table
-                .clone()
-                .with_service(service, policy(config))
-                .unwrap_or(table);
+            let taken = table.insert_service(service, policy(config));
+            debug_assert!(taken.is_ok(), "{taken:?}");
         }
         for (service, method, config) in &self.methods {
-            table = table
-                .clone()
-                .with_method(service, method, policy(config))
-                .unwrap_or(table);
+            let taken = table.insert_method(service, method, policy(config));
+            debug_assert!(taken.is_ok(), "{taken:?}");
         }
         table
     }
@@ -394,7 +391,8 @@ fn retry_policy(value: &Value, path: &str) -> Result<Retry> {
         Some(v) => Some(duration(
             v,
             &format!("{path}.perAttemptRecvTimeout"),
-            false,
+            // C-core, the client that reads it: "must be greater than 0".
+            true,
         )?),
         None => None,
     };
@@ -846,6 +844,11 @@ mod tests {
                 "integer",
             ),
             (
+                retry(&format!(r#"{GOOD}, "perAttemptRecvTimeout": "0s""#)),
+                "methodConfig[0].retryPolicy.perAttemptRecvTimeout",
+                "greater than 0",
+            ),
+            (
                 method(r#""timeout": "3c""#),
                 "methodConfig[0].timeout",
                 "not a duration",
@@ -931,5 +934,29 @@ mod tests {
         let base = RetryPolicy::new(3, 20 * MS, 500 * MS, 0.0).unwrap();
         let table = config.policies(&base);
         assert_eq!(table.policy_for("/foo/Bar").delay_before(1), 5 * MS);
+    }
+
+    #[test]
+    fn a_config_of_thousands_of_names_keeps_every_one() {
+        // Each method of 100 services its own policy, numbered by its attempts.
+        let entries: Vec<String> = (0..4000)
+            .map(|i| {
+                let fields = GOOD.replace(
+                    r#""maxAttempts": 2"#,
+                    &format!(r#""maxAttempts": {}"#, 2 + i % 4),
+                );
+                format!(
+                    r#"{{"name": [{{"service": "s{}", "method": "M{i}"}}], "retryPolicy": {{{fields}}}}}"#,
+                    i % 100
+                )
+            })
+            .collect();
+        let json = format!(r#"{{"methodConfig": [{}]}}"#, entries.join(","));
+        let table = parse(&json).policies(&RetryPolicy::default());
+        for i in 0..4000 {
+            let path = format!("/s{}/M{i}", i % 100);
+            assert_eq!(table.policy_for(&path).max_attempts(), 2 + i % 4, "{path}");
+        }
+        assert_eq!(table.policy_for("/s1/Other").max_attempts(), 1);
     }
 }
