@@ -55,6 +55,8 @@ where
             Response = http::Response<R>,
             Error = tower::BoxError,
         >,
+    R: http_body::Body,
+    R::Error: std::fmt::Debug,
 {
     // Warm up: thread-locals, the random generator, lazily built statics.
     for _ in 0..100 {

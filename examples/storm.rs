@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::{Request, Response};
+use http_body_util::BodyExt;
 use rand::Rng;
 use tokio::time::Instant;
 use tonic::body::Body;
@@ -96,9 +97,21 @@ fn bottom(start: Instant, load: Arc<Load>) -> Hop {
             Ok::<_, BoxError>(if fail {
                 tonic::Status::unavailable("down").into_http()
             } else {
+                // As a gRPC server answers a unary call: headers, the
+                // message, then `OK` in the trailers.
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                let frames = [
+                    Ok::<_, tonic::Status>(http_body::Frame::data(bytes::Bytes::from_static(
+                        b"\0\0\0\0\0",
+                    ))),
+                    Ok(http_body::Frame::trailers(trailers)),
+                ];
                 Response::builder()
                     .header("content-type", "application/grpc")
-                    .body(Body::empty())
+                    .body(Body::new(http_body_util::StreamBody::new(
+                        tokio_stream::iter(frames),
+                    )))
                     .unwrap()
             })
         }
@@ -220,9 +233,19 @@ async fn run(depth: usize, kind: Kind) -> Report {
                     }
                     let (top, ok) = (top.clone(), ok.clone());
                     sent.spawn(async move {
-                        let response = top.oneshot(req).await;
-                        let good = response
-                            .is_ok_and(|r| r.headers().get("grpc-status").is_none_or(|s| s == "0"));
+                        // Read to the end, as a client does: the call's
+                        // status is in the headers (Trailers-Only) or in the
+                        // trailers, and each hop credits its budget there.
+                        let good = match top.oneshot(req).await {
+                            Ok(r) if r.headers().contains_key("grpc-status") => {
+                                r.headers()["grpc-status"] == "0"
+                            }
+                            Ok(r) => r.into_body().collect().await.is_ok_and(|c| {
+                                c.trailers()
+                                    .is_some_and(|t| t.get("grpc-status").is_some_and(|s| s == "0"))
+                            }),
+                            Err(_) => false,
+                        };
                         if good {
                             ok[phase].fetch_add(1, Ordering::Relaxed);
                         }

@@ -1,7 +1,9 @@
 //! The response body type of [`RetryService`](crate::RetryService).
 
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{HeaderMap, HeaderValue};
@@ -11,7 +13,8 @@ use tokio::time::{Instant, Sleep};
 
 use crate::classify::repair_status_details;
 use crate::deadline::timer_at;
-use crate::status::GRPC_STATUS;
+use crate::status::{GRPC_STATUS, GRPC_STATUS_DETAILS};
+use tonic::Code;
 
 pin_project! {
     /// The inner service's response body, passed through frame by frame, or the
@@ -28,6 +31,11 @@ pin_project! {
     /// there even if the rest of it had already arrived and waits unread: the
     /// layer cannot tell when a buffered frame arrived, and a body that is
     /// always ready must not outlive its deadline.
+    ///
+    /// A call whose response was committed is a success only if it ends with
+    /// `OK`: the layer's budget is credited when the trailers say so, not
+    /// when the headers arrive (a stream cut, failed or dropped unread
+    /// credits nothing), as grpc-go counts a success when the call finishes.
     #[derive(Debug)]
     pub struct ResponseBody<B> {
         #[pin]
@@ -38,6 +46,22 @@ pin_project! {
         // that is always ready costs no timer. Boxed to keep the body `Unpin`
         // whenever the inner one is.
         timer: Option<Pin<Box<Sleep>>>,
+        // Credited if the trailers end the call with `OK`.
+        on_ok: Option<OnOk>,
+    }
+}
+
+/// What a call that ends with `OK` is credited to: the layer's budget.
+pub(crate) trait Credit: Send + Sync {
+    fn credit(&self);
+}
+
+/// A [`Credit`] waiting for the trailers.
+struct OnOk(Arc<dyn Credit>);
+
+impl fmt::Debug for OnOk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OnOk")
     }
 }
 
@@ -47,7 +71,13 @@ impl<B> ResponseBody<B> {
             inner: Some(inner),
             deadline,
             timer: None,
+            on_ok: None,
         }
+    }
+
+    /// Credits `credit` once, if the body's trailers end the call with `OK`.
+    pub(crate) fn credit_on_ok(&mut self, credit: Arc<dyn Credit>) {
+        self.on_ok = Some(OnOk(credit));
     }
 
     /// An empty body, as sent with a status the layer answered itself.
@@ -56,6 +86,7 @@ impl<B> ResponseBody<B> {
             inner: None,
             deadline: None,
             timer: None,
+            on_ok: None,
         }
     }
 
@@ -80,6 +111,23 @@ fn deadline_trailers() -> HeaderMap {
         HeaderValue::from_static("call deadline exceeded while receiving the response"),
     );
     trailers
+}
+
+/// Whether trailers end the call with `OK` (read as tonic's client reads
+/// `grpc-status`), and whether they carry status details. One pass: trailers
+/// hold a handful of entries, where a lookup would hash each name.
+fn read_trailers(trailers: &HeaderMap) -> (bool, bool) {
+    let (mut status, mut details) = (None, false);
+    for (name, value) in trailers {
+        if *name == GRPC_STATUS {
+            // Several values: tonic reads the first.
+            status.get_or_insert(value);
+        } else if *name == GRPC_STATUS_DETAILS {
+            details = true;
+        }
+    }
+    let ok = status.is_some_and(|v| Code::from_bytes(v.as_bytes()) == Code::Ok);
+    (ok, details)
 }
 
 impl<B: Body> Body for ResponseBody<B> {
@@ -107,6 +155,7 @@ impl<B: Body> Body for ResponseBody<B> {
                 this.inner.set(None);
                 *this.timer = None;
                 *this.deadline = None;
+                *this.on_ok = None;
                 return Poll::Ready(Some(Ok(Frame::trailers(deadline_trailers()))));
             }
         }
@@ -136,7 +185,15 @@ impl<B: Body> Body for ResponseBody<B> {
             frame.map(|frame| {
                 frame.map(|frame| match frame.into_trailers() {
                     Ok(mut trailers) => {
-                        repair_status_details(&mut trailers);
+                        let (ok, details) = read_trailers(&trailers);
+                        if let Some(OnOk(credit)) = this.on_ok.take()
+                            && ok
+                        {
+                            credit.credit();
+                        }
+                        if details {
+                            repair_status_details(&mut trailers);
+                        }
                         Frame::trailers(trailers)
                     }
                     Err(frame) => frame,
@@ -266,6 +323,32 @@ mod tests {
         assert!(
             body.frame().await.is_none(),
             "no deadline trailers after the end"
+        );
+    }
+
+    #[test]
+    fn trailers_are_ok_as_tonic_reads_them() {
+        let read = |pairs: &[(&'static str, &'static str)]| {
+            let mut t = HeaderMap::new();
+            for (k, v) in pairs {
+                t.append(*k, HeaderValue::from_static(v));
+            }
+            let tonic_ok = tonic::Status::from_header_map(&t).map(|s| s.code());
+            let (ok, details) = read_trailers(&t);
+            assert_eq!(ok, tonic_ok == Some(Code::Ok), "{pairs:?}");
+            (ok, details)
+        };
+        assert_eq!(read(&[("grpc-status", "0")]), (true, false));
+        assert_eq!(read(&[("grpc-status", "14")]), (false, false));
+        assert_eq!(read(&[("grpc-status", "00")]), (false, false));
+        assert_eq!(read(&[("grpc-message", "x")]), (false, false));
+        assert_eq!(
+            read(&[("grpc-status", "0"), ("grpc-status", "14")]),
+            (true, false)
+        );
+        assert_eq!(
+            read(&[("grpc-status-details-bin", "CAg="), ("grpc-status", "0")]),
+            (true, true)
         );
     }
 

@@ -27,7 +27,8 @@ const MILLI: u64 = 1_000;
 
 /// A token account shared by every call that goes through any clone of it.
 ///
-/// Starts at half of `max_tokens`. Each successful call deposits
+/// Starts at half of `max_tokens`. Each successful call (one that ends with
+/// `OK`: for a committed response, when its trailers say so) deposits
 /// `deposit_per_success` tokens (capped at `max_tokens`); each retry withdraws
 /// one whole token; without a whole token there is no retry. Cloning shares the
 /// one account, so a single budget can guard several layers or clients.

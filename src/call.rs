@@ -21,7 +21,7 @@ use tower::retry::Policy;
 use tower::retry::budget::Budget;
 
 use crate::attempt::{Cut, Failure};
-use crate::body::ResponseBody;
+use crate::body::{Credit, ResponseBody};
 use crate::budget;
 use crate::classify::{
     Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
@@ -192,7 +192,10 @@ impl CallState {
             };
         }
         if verdict.is_success() {
-            Budget::deposit(budget);
+            // A committed response is credited when its trailers say OK.
+            if verdict != Verdict::Committed {
+                Budget::deposit(budget);
+            }
             return Decision::Done("succeeded");
         }
         // A method that never retries charges gRPC's throttle nothing, as in
@@ -362,10 +365,17 @@ fn previous_attempts(sent: u32) -> HeaderValue {
     }
 }
 
+/// A call that ended with `OK` after its response was committed.
+impl<Bu: Budget + Send + Sync> Credit for Shared<Bu> {
+    fn credit(&self) {
+        Budget::deposit(&self.budget);
+    }
+}
+
 impl<B, RB, Bu> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, Failure>
     for CallPolicy<Bu>
 where
-    Bu: Budget + 'static,
+    Bu: Budget + Send + Sync + 'static,
 {
     type Future = Backoff;
 
@@ -511,6 +521,10 @@ where
             Decision::Done(_) => {
                 if verdict != Verdict::Committed {
                     finish(result, state);
+                } else if let Ok(response) = result {
+                    response
+                        .body_mut()
+                        .credit_on_ok(Arc::clone(&self.shared) as Arc<dyn Credit>);
                 }
                 if marked && let Ok(response) = result {
                     mark_given_up(response, metrics);

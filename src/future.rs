@@ -34,6 +34,8 @@ pin_project! {
         B: Send,
         B: 'static,
         Bu: Budget,
+        Bu: Send,
+        Bu: Sync,
         Bu: 'static,
     {
         #[pin]
@@ -47,7 +49,7 @@ where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
     B: From<ReplayBody<B>> + Send + 'static,
-    Bu: Budget + 'static,
+    Bu: Budget + Send + Sync + 'static,
 {
     pub(crate) fn new(inner: Retrying<S, B, Bu>) -> Self {
         Self {
@@ -62,7 +64,7 @@ where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
     B: From<ReplayBody<B>> + Send + 'static,
-    Bu: Budget + 'static,
+    Bu: Budget + Send + Sync + 'static,
 {
     type Output = Result<Response<ResponseBody<RB>>, S::Error>;
 
@@ -81,7 +83,7 @@ where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
     B: From<ReplayBody<B>> + Send + 'static,
-    Bu: Budget + 'static,
+    Bu: Budget + Send + Sync + 'static,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()

@@ -35,9 +35,12 @@ impl RetryLayer {
 impl<Bu> RetryLayer<Bu> {
     /// A layer paying for retries from any `tower` retry budget.
     ///
-    /// The layer deposits on each successful call and withdraws once per
-    /// retry, as with [`RetryBudget`]; only a [`RetryBudget`]'s balance shows in
-    /// the layer's tracing events.
+    /// The layer deposits on each successful call (one that ends with `OK`:
+    /// for a committed response, when its trailers say so) and withdraws once
+    /// per retry, as with [`RetryBudget`]; only a [`RetryBudget`]'s or a
+    /// [`RetryThrottle`](crate::RetryThrottle)'s balance shows in the layer's
+    /// tracing events. The budget is shared by every call, on any thread: it
+    /// must be `Send + Sync`.
     pub fn with_budget(policy: impl Into<MethodPolicies>, budget: Bu) -> Self {
         Self {
             shared: Shared::new(policy.into(), budget),

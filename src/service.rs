@@ -121,7 +121,7 @@ where
     S::Error: Into<BoxError>,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
-    Bu: Budget + 'static,
+    Bu: Budget + Send + Sync + 'static,
 {
     type Response = Response<ResponseBody<RB>>;
     type Error = S::Error;

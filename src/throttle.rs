@@ -19,7 +19,8 @@ const MILLI: u64 = 1_000;
 ///   method that is never retried (one attempt, as for a method without a
 ///   `retryPolicy` in a service config) takes none, as in grpc-go and
 ///   grpc-java.
-/// * Each **successful** call adds `token_ratio` tokens (kept to three
+/// * Each **successful** call (one that ends with `OK`) adds `token_ratio`
+///   tokens (kept to three
 ///   decimals: `0.5466` counts as `0.546`), up to `max_tokens`.
 /// * **No retry** is made while the count is at or below half of
 ///   `max_tokens`; the call ends with the failure's own status.

@@ -175,9 +175,9 @@ async fn prefer_untried_sends_a_paid_retry_at_once_rather_than_wait_for_a_satura
     // of waiting for b behind the layer's back.
     let (retry, send) = handle_a.next_request().await.expect("sent at once");
     assert_eq!(retry.headers()["x-already-tried"], "a");
-    send.send_response(ok());
+    send.send_response(answer(Code::Ok));
     let response = bounded(call).await.unwrap().unwrap();
-    assert_eq!(code_of(&response), Code::Ok);
+    assert_eq!(read_to_end(response).await, Code::Ok);
     assert!(handle_b.next_request().now_or_never().is_none());
     assert_eq!(
         (layer.metrics().retries(), layer.budget().available()),

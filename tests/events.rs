@@ -77,8 +77,9 @@ async fn every_attempt_emits_one_event_with_its_numbers() {
     );
     assert_eq!(get(attempts[1], "attempt").as_deref(), Some("2"));
     assert_eq!(get(attempts[1], "code").as_deref(), Some("OK"));
-    // One token paid for the retry, a tenth earned by the success.
-    assert_eq!(get(attempts[1], "tokens").as_deref(), Some("99.1"));
+    // One token paid for the retry; the success earns its tenth when its
+    // trailers say OK, after this event.
+    assert_eq!(get(attempts[1], "tokens").as_deref(), Some("99.0"));
 }
 
 #[tokio::test(start_paused = true)]

@@ -327,10 +327,53 @@ async fn successes_refill_the_budget() {
     for _ in 0..2 {
         let call = spawn_call(&mut svc, request()).await;
         let (_, send, _) = next(&mut handle).await;
-        send.send_response(ok());
-        call.await.unwrap().unwrap();
+        send.send_response(answer(Code::Ok));
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(read_to_end(response).await, Code::Ok);
     }
     assert_eq!(layer.budget().available(), 2.0);
+}
+
+/// Only a call that ends with OK is a success: a committed response is
+/// credited when its trailers say OK, not when its headers arrive.
+#[tokio::test(start_paused = true)]
+async fn only_calls_that_end_ok_refill_the_budget() {
+    let budget = RetryBudget::new(10, 1.0).unwrap();
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget);
+    let start = layer.budget().available();
+    let mut call_answered = async |answer: Response<Body>| {
+        let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(answer);
+        call.await.unwrap().unwrap()
+    };
+
+    // Committed, then failed in its trailers: no success.
+    let response = call_answered(answer(Code::Unavailable)).await;
+    assert_eq!(code_of(&response), Code::Ok, "committed");
+    assert_eq!(read_to_end(response).await, Code::Unavailable);
+    assert_eq!(layer.budget().available(), start);
+
+    // Committed and dropped unread, or cut at the deadline: no success.
+    drop(call_answered(answer(Code::Ok)).await);
+    assert_eq!(layer.budget().available(), start);
+    let (tx, stalled) = streaming_response();
+    let response = call_answered(stalled).await;
+    assert_eq!(read_to_end(response).await, Code::DeadlineExceeded);
+    drop(tx);
+    assert_eq!(layer.budget().available(), start);
+
+    // Committed, headers read, then OK in its trailers: credited then.
+    let response = call_answered(answer(Code::Ok)).await;
+    assert_eq!(layer.budget().available(), start, "not at the headers");
+    assert_eq!(read_to_end(response).await, Code::Ok);
+    assert_eq!(layer.budget().available(), start + 1.0);
+
+    // Trailers-Only OK: credited at once.
+    let response = call_answered(status(Code::Ok)).await;
+    assert_eq!(layer.budget().available(), start + 2.0);
+    assert_eq!(read_to_end(response).await, Code::Ok);
+    assert_eq!(layer.budget().available(), start + 2.0, "once");
 }
 
 #[tokio::test(start_paused = true)]

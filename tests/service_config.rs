@@ -58,8 +58,9 @@ async fn a6_throttling_charges_failures_and_stops_retries_at_half() {
         use tower::{Service, ServiceExt};
         let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
         let (_, send) = handle.next_request().await.unwrap();
-        send.send_response(ok());
-        call.await.unwrap().unwrap();
+        send.send_response(answer(Code::Ok));
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(read_to_end(response).await, Code::Ok);
     }
     assert_eq!(throttle.available(), Some(5.5));
     assert!(throttle.allows_retry());
@@ -97,12 +98,12 @@ async fn call_to(
     {
         match answers.get(attempts) {
             Some(&code) => send.send_response(status(code)),
-            None => send.send_response(ok()),
+            None => send.send_response(answer(Code::Ok)),
         }
         attempts += 1;
     }
     let response = call.await.unwrap().unwrap();
-    (attempts, code_of(&response))
+    (attempts, read_to_end(response).await)
 }
 
 const THROTTLED: &str = r#"{

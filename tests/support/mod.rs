@@ -68,6 +68,37 @@ pub fn ok() -> Response<Body> {
         .unwrap()
 }
 
+/// A unary answer as a tonic server sends one: headers, one message, then
+/// trailers with `code`.
+pub fn answer(code: Code) -> Response<Body> {
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from(code as i32));
+    let frames = [
+        Ok::<_, tonic::Status>(Frame::data(Bytes::from_static(b"\0\0\0\0\x01x"))),
+        Ok(Frame::trailers(trailers)),
+    ];
+    Response::builder()
+        .header("content-type", "application/grpc")
+        .body(Body::new(http_body_util::StreamBody::new(
+            tokio_stream::iter(frames),
+        )))
+        .unwrap()
+}
+
+/// Reads a response to its end, as a client does: the code its trailers (or
+/// its headers, for a Trailers-Only response) end the call with.
+pub async fn read_to_end(response: Response<ResponseBody<Body>>) -> Code {
+    use http_body_util::BodyExt;
+    let headers_code = code_of(&response);
+    let collected = response.into_body().collect().await.expect("the body");
+    match collected.trailers() {
+        Some(trailers) => trailers
+            .get("grpc-status")
+            .map_or(Code::Unknown, |v| Code::from_bytes(v.as_bytes())),
+        None => headers_code,
+    }
+}
+
 pub fn code_of<B>(r: &Response<B>) -> Code {
     match r.headers().get("grpc-status") {
         Some(v) => Code::from_bytes(v.as_bytes()),
