@@ -13,7 +13,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::classify::repair_status_details;
 use crate::deadline::timer_at;
-use crate::status::{GRPC_STATUS, GRPC_STATUS_DETAILS};
+use crate::status::{GRPC_MESSAGE, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads};
 use tonic::Code;
 
 pin_project! {
@@ -117,16 +117,18 @@ fn deadline_trailers() -> HeaderMap {
 /// `grpc-status`), and whether they carry status details. One pass: trailers
 /// hold a handful of entries, where a lookup would hash each name.
 fn read_trailers(trailers: &HeaderMap) -> (bool, bool) {
-    let (mut status, mut details) = (None, false);
+    let (mut status, mut message, mut details) = (None, None, false);
     for (name, value) in trailers {
+        // Several values: tonic reads the first.
         if *name == GRPC_STATUS {
-            // Several values: tonic reads the first.
             status.get_or_insert(value);
+        } else if *name == GRPC_MESSAGE {
+            message.get_or_insert(value);
         } else if *name == GRPC_STATUS_DETAILS {
             details = true;
         }
     }
-    let ok = status.is_some_and(|v| Code::from_bytes(v.as_bytes()) == Code::Ok);
+    let ok = status.is_some_and(|v| code_as_tonic_reads(v, message) == Code::Ok);
     (ok, details)
 }
 
@@ -349,6 +351,15 @@ mod tests {
         assert_eq!(
             read(&[("grpc-status-details-bin", "CAg="), ("grpc-status", "0")]),
             (true, true)
+        );
+        // A message tonic cannot decode makes the call UNKNOWN.
+        assert_eq!(
+            read(&[("grpc-status", "0"), ("grpc-message", "%FF")]),
+            (false, false)
+        );
+        assert_eq!(
+            read(&[("grpc-status", "0"), ("grpc-message", "caf%C3%A9 %zz")]),
+            (true, false)
         );
     }
 

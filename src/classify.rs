@@ -22,7 +22,9 @@ use prost::Message as _;
 use tonic::Code;
 
 use crate::policy::RetryableCodes;
-use crate::status::{GRPC_RETRY_PUSHBACK, GRPC_STATUS, GRPC_STATUS_DETAILS};
+use crate::status::{
+    GRPC_MESSAGE, GRPC_RETRY_PUSHBACK, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads,
+};
 
 /// The base64 flavour tonic decodes `grpc-status-details-bin` with: standard
 /// alphabet, padding optional. Checking with the same rules is what keeps
@@ -83,20 +85,22 @@ pub(crate) fn classify_response(
     // are hashed byte by byte, so two lookups would cost more than the scan
     // of a response's few headers.
     let mut grpc_status = None;
+    let mut grpc_message = None;
     let mut content_type = None;
     for (name, value) in headers {
         if name == GRPC_STATUS {
             grpc_status = grpc_status.or(Some(value));
+        } else if name == GRPC_MESSAGE {
+            grpc_message = grpc_message.or(Some(value));
         } else if name == CONTENT_TYPE {
             content_type = content_type.or(Some(value));
         }
     }
     let code = match grpc_status {
-        // `Code::from_bytes` is what tonic's client reads the header with: only
-        // the canonical forms (`14`, never `014`, `+14` or ` 14`) are codes;
-        // anything else is UNKNOWN, which is final whatever the retryable set
-        // says.
-        Some(value) => match Code::from_bytes(value.as_bytes()) {
+        // As tonic's client reads it: only the canonical forms (`14`, never
+        // `014`, `+14` or ` 14`) are codes, and a message it cannot decode
+        // makes any code UNKNOWN — final whatever the retryable set says.
+        Some(value) => match code_as_tonic_reads(value, grpc_message) {
             Code::Unknown => return Verdict::Final(Code::Unknown),
             code => code,
         },
@@ -476,6 +480,34 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("grpc-status", HeaderValue::from_bytes(b"1\xff").unwrap());
         assert_eq!(judge(&h), Verdict::Final(Code::Unknown), "non-UTF-8");
+    }
+
+    #[test]
+    fn a_message_tonic_cannot_decode_makes_any_code_unknown() {
+        let everything: RetryableCodes = (0..=16).map(Code::from_i32).collect();
+        let messages: &[&[u8]] = &[
+            b"plain",
+            b"caf%C3%A9",
+            b"%FF",
+            b"\xe9t\xe9",
+            b"cut %E2%82",
+            b"%zz and %",
+            b"%25",
+            b"",
+        ];
+        for code in ["0", "4", "14", "99"] {
+            for message in messages {
+                let mut h = HeaderMap::new();
+                h.insert("grpc-status", HeaderValue::from_static(code));
+                h.insert("grpc-message", HeaderValue::from_bytes(message).unwrap());
+                let tonic_code = tonic::Status::from_header_map(&h).unwrap().code();
+                let got = classify_response(StatusCode::OK, &h, everything);
+                assert_eq!(got.code(), tonic_code, "{code} {message:?}");
+                if tonic_code == Code::Unknown {
+                    assert_eq!(got, Verdict::Final(Code::Unknown), "{code} {message:?}");
+                }
+            }
+        }
     }
 
     #[test]

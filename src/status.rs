@@ -1,10 +1,11 @@
 //! gRPC status on the wire: the header names the layer reads and writes, and
 //! the Trailers-Only responses it answers with when it ends a call itself.
 
-use http::{HeaderName, Response};
+use http::{HeaderName, HeaderValue, Response};
 use tonic::Code;
 
 pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 pub(crate) const GRPC_STATUS_DETAILS: HeaderName =
     HeaderName::from_static("grpc-status-details-bin");
 pub(crate) const GRPC_RETRY_PUSHBACK: HeaderName =
@@ -14,6 +15,25 @@ pub(crate) const GRPC_RETRY_PUSHBACK: HeaderName =
 /// HTTP 200, `content-type: application/grpc`, `grpc-status`, `grpc-message`.
 pub(crate) fn status_response<B: Default>(code: Code, message: impl Into<String>) -> Response<B> {
     tonic::Status::new(code, message).into_http()
+}
+
+/// The code tonic's client reports for a `grpc-status` and the first
+/// `grpc-message` beside it, as `Status::from_header_map` reads them: the code
+/// as `Code::from_bytes` reads it, but `UNKNOWN` whatever the code if the
+/// message does not percent-decode to UTF-8.
+pub(crate) fn code_as_tonic_reads(status: &HeaderValue, message: Option<&HeaderValue>) -> Code {
+    let code = Code::from_bytes(status.as_bytes());
+    match message {
+        Some(message)
+            if code != Code::Unknown
+                && percent_encoding::percent_decode(message.as_bytes())
+                    .decode_utf8()
+                    .is_err() =>
+        {
+            Code::Unknown
+        }
+        _ => code,
+    }
 }
 
 /// The canonical upper-case name of a code, as gRPC documents and logs it.

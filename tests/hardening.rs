@@ -487,6 +487,56 @@ async fn an_html_page_is_not_a_success() {
     assert_eq!(layer.budget().available(), 100.0, "an HTML page deposited");
 }
 
+/// One unary call by tonic's own client through the layer, answered with
+/// `answer`: the code tonic reports.
+async fn tonic_call(svc: Svc, handle: &mut Handle, answer: Response<Body>) -> Code {
+    let call = tokio::spawn(async move {
+        let mut grpc = tonic::client::Grpc::new(svc);
+        grpc.ready().await.expect("ready");
+        let path = http::uri::PathAndQuery::from_static("/library.v1.Library/GetBook");
+        let codec = tonic_prost::ProstCodec::<(), ()>::default();
+        grpc.unary(tonic::Request::new(()), path, codec).await
+    });
+    let (_, send, _) = next(handle).await;
+    send.send_response(answer);
+    match call.await.expect("the call task") {
+        Ok(_) => Code::Ok,
+        Err(status) => status.code(),
+    }
+}
+
+/// tonic's client reports any code as UNKNOWN when `grpc-message` does not
+/// percent-decode to UTF-8: such a call is no success, and no retry either.
+#[tokio::test(start_paused = true)]
+async fn a_message_tonic_cannot_decode_is_unknown_to_the_layer_too() {
+    let half_full = tonic_retry::RetryBudget::new(10, 1.0).unwrap();
+    let (svc, mut handle, layer) = setup(RetryPolicy::default(), half_full);
+    let start = layer.budget().available();
+    let mut committed = answer(Code::Ok);
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    trailers.insert("grpc-message", HeaderValue::from_static("%FF"));
+    let data = Frame::data(Bytes::from_static(b"\0\0\0\0\0"));
+    *committed.body_mut() = Body::new(http_body_util::StreamBody::new(tokio_stream::iter([
+        Ok::<_, tonic::Status>(data),
+        Ok(Frame::trailers(trailers)),
+    ])));
+    assert_eq!(tonic_call(svc, &mut handle, committed).await, Code::Unknown);
+    assert_eq!(layer.budget().available(), start, "no credit for UNKNOWN");
+
+    let (svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let mut unavailable = status(Code::Unavailable);
+    unavailable
+        .headers_mut()
+        .insert("grpc-message", HeaderValue::from_static("%FF"));
+    assert_eq!(
+        tonic_call(svc, &mut handle, unavailable).await,
+        Code::Unknown
+    );
+    assert_eq!(layer.metrics().attempts(), 1, "UNKNOWN is final");
+    assert_eq!(layer.metrics().retries(), 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_retry_info_at_i64_min_neither_panics_nor_retries() {
     for (seconds, nanos) in [

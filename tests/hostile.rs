@@ -524,6 +524,15 @@ fn clearly_final(answer: &Answer) -> bool {
             return true;
         }
     }
+    // A message tonic's client cannot decode makes any code UNKNOWN: final.
+    if let (Some(code), Some(message)) = (get("grpc-status"), get("grpc-message")) {
+        let mut both = http::HeaderMap::new();
+        both.insert("grpc-status", code.clone());
+        both.insert("grpc-message", message.clone());
+        if tonic::Status::from_header_map(&both).map(|s| s.code()) == Some(tonic::Code::Unknown) {
+            return true;
+        }
+    }
     match get("grpc-status") {
         Some(v) => {
             let canonical: Vec<String> = (0..=16).map(|c| c.to_string()).collect();
