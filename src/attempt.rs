@@ -238,8 +238,8 @@ pin_project! {
         cut: Option<(Instant, Cut)>,
         // The call's deadline, which the response body keeps to.
         deadline: Option<Instant>,
-        // For a retry: the budget to pay from and the counters, at send time.
-        // `None` for the first attempt.
+        // For an attempt after the first: the budget a retry pays from and
+        // the counters, at send time. `None` for the first attempt.
         retry: Option<Arc<Shared<Bu>>>,
         // The least time worth sending a retry with.
         min_attempt_budget: Duration,
@@ -377,8 +377,9 @@ where
 }
 
 /// The last steps before an attempt whose service is now ready is sent: is
-/// there still time for it, and, for a retry, a token to pay for it? Then it
-/// is sent with the time left, and a retry is counted.
+/// there still time for it, and, for a retry (an attempt after one that was
+/// sent), a token to pay for it? Then it is sent with the time left, and a
+/// retry is counted.
 fn send<B, Bu: Budget>(
     req: &mut Request<ReplayBody<B>>,
     (cut, deadline, min_attempt_budget): (Option<(Instant, Cut)>, Option<Instant>, Duration),
@@ -404,10 +405,12 @@ fn send<B, Bu: Budget>(
             .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
     }
     if let Some(shared) = retry {
-        if !shared.budget.withdraw() {
-            return Err(Failure::NoBudget);
+        if req.body().is_retry() {
+            if !shared.budget.withdraw() {
+                return Err(Failure::NoBudget);
+            }
+            shared.metrics.record(Event::Retry);
         }
-        shared.metrics.record(Event::Retry);
         // From now on this attempt's body is the live one.
         req.body_mut().sent();
     }

@@ -56,6 +56,9 @@ struct CallState {
     /// How the last failed attempt ended: what the caller gets if the retry
     /// after it cannot be sent. Boxed: only a call that retries pays for it.
     last: Option<Box<Last>>,
+    /// A retry was decided after an attempt that was sent: the call retried,
+    /// sent or not, so giving up on it is marked.
+    retried: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -100,6 +103,7 @@ impl<Bu> CallPolicy<Bu> {
                 backoff_step: 0,
                 tried,
                 last: None,
+                retried: false,
             },
         }
     }
@@ -116,6 +120,9 @@ struct Outcome<'a> {
     remaining: Option<Duration>,
     /// A retry found no time left to be sent.
     out_of_time: bool,
+    /// The attempt reached the inner service: a failure it ended with is the
+    /// server's, not a wait that ran out.
+    sent: bool,
 }
 
 /// What to do after one attempt.
@@ -176,6 +183,7 @@ impl CallState {
             replayable,
             remaining,
             out_of_time,
+            sent,
         } = outcome;
         let budget = &shared.budget;
         if out_of_time {
@@ -199,10 +207,11 @@ impl CallState {
             return Decision::Done("succeeded");
         }
         // A method that never retries charges gRPC's throttle nothing, as in
-        // grpc-go and grpc-java (a method without a retry policy).
-        let retries = policy.max_attempts > 1;
+        // grpc-go and grpc-java (a method without a retry policy); nor does
+        // an attempt that was never sent, which no server failed.
+        let charge = policy.max_attempts > 1 && sent;
         if let Verdict::RetriedBelow(_) = verdict {
-            if retries {
+            if charge {
                 budget::on_retryable_failure(budget);
             }
             shared.metrics.record(Event::RetriedBelow);
@@ -211,7 +220,7 @@ impl CallState {
         let Verdict::Retryable { server_delay, .. } = verdict else {
             return Decision::Done("not retryable");
         };
-        if retries {
+        if charge {
             budget::on_retryable_failure(budget);
         }
         if let Some(id) = instance {
@@ -239,11 +248,17 @@ impl CallState {
         if let Some(left) = remaining
             && left <= delay.saturating_add(policy.min_attempt_budget)
         {
+            if self.sent == 0 {
+                // Nothing was sent, so no retry is refused: the wait for the
+                // service below ran out, and there is no time for another.
+                return Decision::Done("no time left to wait for the service");
+            }
             return Decision::NoTime { left, delay };
         }
-        // The token itself is taken when the retry is sent; a budget that is
-        // known to be empty refuses now rather than after the backoff.
-        if budget::is_known_empty(budget) {
+        // While nothing has been sent, the next attempt is no retry and
+        // costs no token. Otherwise the token is taken when the retry is
+        // sent; a budget known to be empty refuses now, not after the backoff.
+        if self.sent > 0 && budget::is_known_empty(budget) {
             if budget::refusal_keeps_status(budget) {
                 return Decision::Throttled;
             }
@@ -414,7 +429,7 @@ where
                     "the inner service failed while the attempt waited for it; ending with the last status"
                 );
                 let mut response = state.last_status(&error);
-                if policy.retry_at_one_layer && state.sent >= 2 {
+                if policy.retry_at_one_layer && state.retried {
                     mark_given_up(&mut response, metrics);
                 }
                 *result = Ok(response);
@@ -485,6 +500,7 @@ where
             replayable: req.body().is_replayable(),
             remaining,
             out_of_time,
+            sent,
         };
         let decision = state.decide(shared, policy, outcome);
         let attempt = state.made;
@@ -494,10 +510,10 @@ where
         // retry it again.
         let marked = policy.retry_at_one_layer
             && match decision {
-                Decision::NoTime { .. } | Decision::NoBudget { .. } | Decision::Throttled => true,
-                Decision::Done(_) => {
-                    matches!(verdict, Verdict::Retryable { .. }) && state.sent >= 2
+                Decision::NoTime { .. } | Decision::NoBudget { .. } | Decision::Throttled => {
+                    state.sent > 0
                 }
+                Decision::Done(_) => matches!(verdict, Verdict::Retryable { .. }) && state.retried,
                 Decision::Retry { .. } => false,
             };
         // Written only when the call ends on the layer's own decision.
@@ -572,6 +588,10 @@ where
             }
             Decision::Retry { delay } => {
                 state.remember(result);
+                if state.sent > 0 {
+                    state.retried = true;
+                    req.body_mut().set_retry();
+                }
                 let headers = req.headers_mut();
                 if state.sent > 0 {
                     headers.insert(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));

@@ -48,6 +48,9 @@ pub struct ReplayBody<B> {
     epoch: u32,
     /// Whether this clone is to be the call's last attempt.
     last: bool,
+    /// Whether this clone goes out as a retry: an earlier attempt of the
+    /// call was sent, so this one is paid for.
+    retry: bool,
 }
 
 /// The epoch of a clone that was never sent.
@@ -191,6 +194,7 @@ impl<B: Body> ReplayBody<B> {
             trailers_sent: false,
             epoch: 0,
             last: false,
+            retry: false,
         }
     }
 }
@@ -222,6 +226,18 @@ impl<B> ReplayBody<B> {
     /// is sent, it is the only clone that may read.
     pub(crate) fn mark_last(&mut self) {
         self.last = true;
+    }
+
+    /// Marks this clone as a retry: an earlier attempt of the call was sent.
+    /// An attempt after attempts that were never sent is no retry (it adds
+    /// no load the server did not already miss) and is not paid for.
+    pub(crate) fn set_retry(&mut self) {
+        self.retry = true;
+    }
+
+    /// Whether this clone goes out as a retry.
+    pub(crate) fn is_retry(&self) -> bool {
+        self.retry
     }
 
     /// Records that this clone is being sent as the call's next attempt.
@@ -471,6 +487,7 @@ impl<B> Clone for ReplayBody<B> {
             trailers_sent: false,
             epoch: UNSENT,
             last: false,
+            retry: false,
         }
     }
 }
@@ -495,6 +512,7 @@ impl<B> fmt::Debug for ReplayBody<B> {
             .field("capped", &shared.capped)
             .field("released", &shared.released)
             .field("epoch", &self.epoch)
+            .field("retry", &self.retry)
             .field("ended", &shared.ended)
             .finish()
     }

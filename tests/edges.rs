@@ -565,24 +565,29 @@ fn empty_tps() -> TpsBudget {
     TpsBudget::new(Duration::from_secs(10), 0, 0.0)
 }
 
+/// The first attempt is cut before it was sent: no server failed, so the
+/// attempt after it is no retry — sent without a token, even from a budget
+/// that refuses every withdrawal.
 #[tokio::test(start_paused = true)]
-async fn no_budget_at_send_after_an_unsent_first_attempt_names_a_phantom_attempt() {
+async fn an_attempt_after_an_unsent_first_attempt_is_no_retry_and_costs_no_token() {
     let layer = RetryLayer::with_budget(policy(3).with_attempt_timeout(100 * MS), empty_tps());
     let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     handle.allow(0);
     let mut svc = layer.layer(inner);
     let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
-    // The first attempt is cut unsent at 100 ms; the retry waits 16..24 ms.
+    // The first attempt is cut unsent at 100 ms; the next waits 16..24 ms.
     tokio::time::sleep(110 * MS).await;
     handle.allow(1);
-    let response = bounded(call).await.unwrap().unwrap();
-    let message = message_of(&response);
-    assert_eq!(code_of(&response), Code::ResourceExhausted, "{message}");
-    assert_eq!(layer.metrics().attempts(), 0, "nothing was sent");
+    let (req, send, _) = next(&mut handle).await;
     assert!(
-        !message.contains("attempt 1 ended with"),
-        "no attempt was sent, yet the caller reads: {message:?}"
+        !req.headers().contains_key("grpc-previous-rpc-attempts"),
+        "no attempt was sent before this one"
     );
+    send.send_response(ok());
+    let response = bounded(call).await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok);
+    assert_eq!(layer.metrics().attempts(), 1);
+    assert_eq!(layer.metrics().retries(), 0, "no retry was paid for");
 }
 
 /// Attempt 1 is sent and fails UNAVAILABLE; attempt 2 is cut before it is

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response};
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{RetryBudget, RetryMarkExt, RetryPolicy};
+use tonic_retry::{RetryBudget, RetryLayer, RetryMarkExt, RetryPolicy, RetryThrottle};
 
 use support::*;
 
@@ -189,6 +189,87 @@ async fn a_retry_never_sent_is_marked() {
     assert_eq!(mark_of(&response), Some("-1"));
     assert_eq!(layer.metrics().marked(), 1);
     assert_eq!(layer.metrics().refused_by_deadline(), 1);
+}
+
+/// The same never-sent call, whichever timer cut its waits: never marked,
+/// never counted as a refusal, never charged — only the time it had differs.
+#[tokio::test(start_paused = true)]
+async fn a_call_never_sent_is_not_marked_whichever_timer_cut_it() {
+    // (deadline, budget tokens): the attempt timeout (30 ms) cuts each wait;
+    // the deadline leaves room for another wait or not; the budget is empty
+    // or not.
+    for (deadline, tokens) in [("60m", 200), ("65m", 200), ("1S", 200), ("1S", 1)] {
+        let policy = RetryPolicy::new(3, 10 * MS, 500 * MS, 0.0)
+            .unwrap()
+            .with_attempt_timeout(30 * MS);
+        let budget = RetryBudget::new(tokens, 0.5).unwrap();
+        let (mut svc, mut handle, layer) = setup(policy, budget);
+        handle.allow(0);
+        let call = spawn_call(&mut svc, with_timeout(request(), deadline)).await;
+        let response = call.await.unwrap().unwrap();
+        let case = format!("{deadline}, {tokens} tokens: {:?}", message_of(&response));
+        assert_eq!(code_of(&response), Code::DeadlineExceeded, "{case}");
+        assert_eq!(mark_of(&response), None, "{case}");
+        let m = layer.metrics();
+        assert_eq!((m.attempts(), m.retries()), (0, 0), "{case}");
+        assert_eq!(
+            (m.refused_by_deadline(), m.refused_by_budget()),
+            (0, 0),
+            "{case}"
+        );
+        assert_eq!(m.marked(), 0, "{case}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_never_sent_do_not_charge_the_throttle() {
+    use tower::{Layer, Service, ServiceExt};
+    let throttle = RetryThrottle::new(10.0, 0.1).unwrap();
+    let policy = RetryPolicy::default().with_attempt_timeout(20 * MS);
+    let layer = RetryLayer::with_budget(policy, throttle.clone());
+    let (inner, mut handle) = tower_test::mock::pair::<http::Request<Body>, Response<Body>>();
+    handle.allow(0);
+    let mut svc = layer.layer(inner);
+    let call = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(with_timeout(request(), "1S"));
+    let response = tokio::spawn(call).await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(layer.metrics().attempts(), 0);
+    assert_eq!(
+        throttle.available(),
+        Some(10.0),
+        "nothing sent, nothing charged"
+    );
+}
+
+/// Attempt 1 fails UNAVAILABLE; every retry waits for a service that is never
+/// ready and is cut by the attempt timeout. The layer retried (it decided to,
+/// twice) and gave up: marked, as a retry refused by the deadline is.
+#[tokio::test(start_paused = true)]
+async fn retries_never_sent_after_a_failure_are_marked_whichever_timer_cut_them() {
+    let policy = RetryPolicy::default().with_attempt_timeout(30 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
+    let (_, send, _) = next(&mut handle).await;
+    handle.allow(0);
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(
+        mark_of(&response),
+        Some("-1"),
+        "{:?}",
+        message_of(&response)
+    );
+    assert_eq!(layer.metrics().marked(), 1);
+    assert_eq!(
+        layer.metrics().retries(),
+        0,
+        "no retry was sent or paid for"
+    );
 }
 
 #[tokio::test(start_paused = true)]
