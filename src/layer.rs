@@ -16,7 +16,8 @@ use crate::shared::Shared;
 ///
 /// The budget is a [`RetryBudget`] unless the layer is made with
 /// [`with_budget`](RetryLayer::with_budget), which takes any
-/// [`tower::retry::budget::Budget`] (tower's `TpsBudget`, say).
+/// [`tower::retry::budget::Budget`] that is `Send + Sync` (tower's
+/// `TpsBudget`, say).
 pub struct RetryLayer<Bu = RetryBudget> {
     shared: Arc<Shared<Bu>>,
 }
@@ -40,8 +41,26 @@ impl<Bu> RetryLayer<Bu> {
     /// per retry, as with [`RetryBudget`]; only a [`RetryBudget`]'s or a
     /// [`RetryThrottle`](crate::RetryThrottle)'s balance shows in the layer's
     /// tracing events. The budget is shared by every call, on any thread: it
-    /// must be `Send + Sync`.
-    pub fn with_budget(policy: impl Into<MethodPolicies>, budget: Bu) -> Self {
+    /// must be `Send + Sync`. A budget of `Cell`s is refused here, where it is
+    /// made, not at the first call:
+    ///
+    /// ```compile_fail
+    /// use std::cell::Cell;
+    /// use tonic_retry::{RetryLayer, RetryPolicy};
+    ///
+    /// struct Local(Cell<u32>);
+    /// impl tower::retry::budget::Budget for Local {
+    ///     fn deposit(&self) {}
+    ///     fn withdraw(&self) -> bool {
+    ///         false
+    ///     }
+    /// }
+    /// let layer = RetryLayer::with_budget(RetryPolicy::default(), Local(Cell::new(0)));
+    /// ```
+    pub fn with_budget(policy: impl Into<MethodPolicies>, budget: Bu) -> Self
+    where
+        Bu: tower::retry::budget::Budget + Send + Sync + 'static,
+    {
         Self {
             shared: Shared::new(policy.into(), budget),
         }

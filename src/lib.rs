@@ -164,7 +164,7 @@
 //! * `fault` (cargo feature `fault`): a server-side layer injecting gRPC
 //!   failures, delays, pushback and lost responses by rule, to rehearse retry
 //!   settings against real servers.
-//! * [`RetryLayer::with_budget`]: pay for retries from any
+//! * [`RetryLayer::with_budget`]: pay for retries from any `Send + Sync`
 //!   [`tower::retry::budget::Budget`] (tower's `TpsBudget`, say) instead of a
 //!   [`RetryBudget`]; [`RetryThrottle`] is gRPC's own retry throttling.
 //! * [`MethodPolicies`]: a policy per gRPC method (method, else service, else

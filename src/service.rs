@@ -66,8 +66,12 @@ impl<S> RetryService<S> {
 }
 
 impl<S, Bu> RetryService<S, Bu> {
-    /// Wraps `inner`, paying for retries from any `tower` retry budget.
-    pub fn with_budget(inner: S, policy: impl Into<MethodPolicies>, budget: Bu) -> Self {
+    /// Wraps `inner`, paying for retries from any `tower` retry budget that
+    /// is `Send + Sync` (every call shares it).
+    pub fn with_budget(inner: S, policy: impl Into<MethodPolicies>, budget: Bu) -> Self
+    where
+        Bu: tower::retry::budget::Budget + Send + Sync + 'static,
+    {
         Self::from_shared(inner, Shared::new(policy.into(), budget))
     }
 

@@ -147,7 +147,8 @@ impl RetryThrottle {
 fn thousandths(value: f64) -> u64 {
     let scaled = value * MILLI as f64;
     let nearest = scaled.round();
-    if (scaled - nearest).abs() <= nearest * 1e-12 {
+    // A few units in the last place: the parse's and the product's rounding.
+    if (scaled - nearest).abs() <= nearest * 4.0 * f64::EPSILON {
         nearest as u64
     } else {
         scaled as u64
@@ -208,6 +209,10 @@ mod tests {
         }
         assert_eq!(thousandths(1e12), 1_000_000_000_000_000);
         assert_eq!(thousandths(0.0009), 0);
+        // Many more decimals, just below a thousandth: still dropped.
+        assert_eq!(thousandths(9.999_999_999_999), 9_999);
+        assert_eq!(thousandths(999.999_999_999_9), 999_999);
+        assert_eq!(thousandths(0.006_999_999_999_999), 6);
     }
 
     #[test]
