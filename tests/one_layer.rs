@@ -170,25 +170,33 @@ async fn a_call_never_sent_is_not_marked() {
     }
 }
 
-/// A retry that could not be sent before the deadline was refused by it:
-/// marked and counted, after the first attempt's failure.
+/// Attempt 1 fails UNAVAILABLE; the service below is then never ready, so
+/// every retry waits until a timer cuts it: the deadline (a retry refused by
+/// it) or the attempt timeout (retries decided, none sent). Either way the
+/// layer retried and gave up: marked, and no retry was paid for.
 #[tokio::test(start_paused = true)]
-async fn a_retry_never_sent_is_marked() {
-    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
-    let call = spawn_call(&mut svc, with_timeout(request(), "200m")).await;
-    let (_, send, _) = next(&mut handle).await;
-    // The service below stops being ready after the first attempt.
-    handle.allow(0);
-    send.send_response(status(Code::Unavailable));
-    let response = call.await.unwrap().unwrap();
-    assert_eq!(code_of(&response), Code::DeadlineExceeded);
-    assert_eq!(
-        message_of(&response),
-        "call deadline exceeded; attempt 1 ended with UNAVAILABLE"
-    );
-    assert_eq!(mark_of(&response), Some("-1"));
-    assert_eq!(layer.metrics().marked(), 1);
-    assert_eq!(layer.metrics().refused_by_deadline(), 1);
+async fn retries_never_sent_after_a_failure_are_marked_whichever_timer_cut_them() {
+    let by_deadline = (RetryPolicy::default(), "200m");
+    let by_attempt_timeout = (RetryPolicy::default().with_attempt_timeout(30 * MS), "1S");
+    for (policy, deadline) in [by_deadline, by_attempt_timeout] {
+        let (mut svc, mut handle, layer) = setup(policy, budget());
+        let call = spawn_call(&mut svc, with_timeout(request(), deadline)).await;
+        let (_, send, _) = next(&mut handle).await;
+        handle.allow(0);
+        send.send_response(status(Code::Unavailable));
+        let response = call.await.unwrap().unwrap();
+        let message = message_of(&response);
+        assert_eq!(code_of(&response), Code::DeadlineExceeded, "{message}");
+        assert!(
+            message.ends_with("attempt 1 ended with UNAVAILABLE"),
+            "{message}"
+        );
+        assert_eq!(mark_of(&response), Some("-1"), "{message}");
+        let m = layer.metrics();
+        assert_eq!((m.marked(), m.retries()), (1, 0), "{message}");
+        let refused = u64::from(deadline == "200m");
+        assert_eq!(m.refused_by_deadline(), refused, "{message}");
+    }
 }
 
 /// The same never-sent call, whichever timer cut its waits: never marked,
@@ -242,33 +250,6 @@ async fn attempts_never_sent_do_not_charge_the_throttle() {
         throttle.available(),
         Some(10.0),
         "nothing sent, nothing charged"
-    );
-}
-
-/// Attempt 1 fails UNAVAILABLE; every retry waits for a service that is never
-/// ready and is cut by the attempt timeout. The layer retried (it decided to,
-/// twice) and gave up: marked, as a retry refused by the deadline is.
-#[tokio::test(start_paused = true)]
-async fn retries_never_sent_after_a_failure_are_marked_whichever_timer_cut_them() {
-    let policy = RetryPolicy::default().with_attempt_timeout(30 * MS);
-    let (mut svc, mut handle, layer) = setup(policy, budget());
-    let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
-    let (_, send, _) = next(&mut handle).await;
-    handle.allow(0);
-    send.send_response(status(Code::Unavailable));
-    let response = call.await.unwrap().unwrap();
-    assert_eq!(code_of(&response), Code::DeadlineExceeded);
-    assert_eq!(
-        mark_of(&response),
-        Some("-1"),
-        "{:?}",
-        message_of(&response)
-    );
-    assert_eq!(layer.metrics().marked(), 1);
-    assert_eq!(
-        layer.metrics().retries(),
-        0,
-        "no retry was sent or paid for"
     );
 }
 
