@@ -51,7 +51,7 @@ use tower::util::Oneshot;
 use tower_service::Service;
 
 use crate::error::ConfigError;
-use crate::marks::{ALREADY_TRIED, AlreadyTried, INSTANCE_ID, PickedInstance};
+use crate::marks::{ALREADY_TRIED, AlreadyTried, INSTANCE_ID, PickedInstance, is_valid_id};
 
 /// An endpoint's name, shared by every clone of the balancer.
 struct Named {
@@ -93,20 +93,18 @@ impl<S> PreferUntried<S> {
     /// than [`MAX_INSTANCE_ID_LEN`](crate::MAX_INSTANCE_ID_LEN), not visible
     /// ASCII, contains a comma, or is repeated.
     pub fn new(endpoints: impl IntoIterator<Item = (String, S)>) -> Result<Self, ConfigError> {
-        let mut names = Vec::new();
+        let mut names: Vec<Named> = Vec::new();
         let mut services = Vec::new();
-        let mut seen = AlreadyTried::default();
         for (id, service) in endpoints {
             let id = id.trim().to_owned();
-            if seen.contains(&id) {
+            if names.iter().any(|named| named.id == id) {
                 return Err(ConfigError::new(
                     "endpoints",
                     format!("instance id {id:?} is named twice"),
                 ));
             }
             // The same rules as the already-tried mark, so every id can be named in it.
-            let mut one = AlreadyTried::default();
-            if !one.insert(&id) {
+            if !is_valid_id(&id) {
                 return Err(ConfigError::new(
                     "endpoints",
                     format!(
@@ -115,7 +113,6 @@ impl<S> PreferUntried<S> {
                     ),
                 ));
             }
-            seen.merge(&one);
             let header = HeaderValue::from_maybe_shared(Bytes::from_owner(id.clone()))
                 .map_err(|_| ConfigError::new("endpoints", format!("instance id {id:?}")))?;
             names.push(Named { id, header });
@@ -509,9 +506,16 @@ mod tests {
         }
         let e = PreferUntried::new([
             ("a".to_owned(), endpoint("a", log.clone(), false)),
-            ("a".to_owned(), endpoint("a", log, false)),
+            ("a".to_owned(), endpoint("a", log.clone(), false)),
         ])
         .unwrap_err();
         assert!(e.to_string().contains("twice"), "{e}");
+        // More endpoints than an already-tried mark names: a repeat is still found.
+        let many = (0..=crate::MAX_TRIED_INSTANCES)
+            .map(|i| format!("e{i}"))
+            .chain(["e8".to_owned()])
+            .map(|id| (id, endpoint("a", log.clone(), false)));
+        let e = PreferUntried::new(many).unwrap_err();
+        assert!(e.to_string().contains("\"e8\" is named twice"), "{e}");
     }
 }

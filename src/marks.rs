@@ -47,6 +47,14 @@ pub const MAX_INSTANCE_ID_LEN: usize = 128;
 /// The most instances the already-tried mark names; further ids are skipped.
 pub const MAX_TRIED_INSTANCES: usize = 8;
 
+/// Whether `id` can be named in the already-tried mark: 1 to
+/// [`MAX_INSTANCE_ID_LEN`] bytes of visible ASCII, no comma.
+pub(crate) fn is_valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_INSTANCE_ID_LEN
+        && id.bytes().all(|b| b.is_ascii_graphic() && b != b',')
+}
+
 /// The instances that failed earlier attempts of this call.
 ///
 /// Set as a request extension on every retry (and mirrored in the
@@ -119,10 +127,7 @@ impl AlreadyTried {
     /// [`MAX_TRIED_INSTANCES`] is skipped.
     pub fn insert(&mut self, instance: &str) -> bool {
         let id = instance.trim();
-        let valid = !id.is_empty()
-            && id.len() <= MAX_INSTANCE_ID_LEN
-            && id.bytes().all(|b| b.is_ascii_graphic() && b != b',');
-        if !valid || self.ids.len() >= MAX_TRIED_INSTANCES || self.contains(id) {
+        if !is_valid_id(id) || self.ids.len() >= MAX_TRIED_INSTANCES || self.contains(id) {
             return false;
         }
         self.ids.push(id.to_owned());
@@ -137,11 +142,9 @@ impl AlreadyTried {
         let Ok(id) = id.to_str() else {
             return false;
         };
-        if self.ids.len() >= MAX_TRIED_INSTANCES && !self.contains(id.trim()) {
-            let mut probe = AlreadyTried::default();
-            if probe.insert(id) {
-                self.ids.remove(0);
-            }
+        let id = id.trim();
+        if self.ids.len() >= MAX_TRIED_INSTANCES && is_valid_id(id) && !self.contains(id) {
+            self.ids.remove(0);
         }
         self.insert(id)
     }
