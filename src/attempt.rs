@@ -438,7 +438,8 @@ fn outcome<RB, E: Into<BoxError>>(
             {
                 return Err(Failure::Cut { why, sent: true });
             }
-            Ok(response.map(|body| ResponseBody::new(body, deadline)))
+            let limit = cut.map(|(at, _)| at);
+            Ok(response.map(|body| ResponseBody::new(body, deadline, limit)))
         }
         Err(error) => {
             let error: BoxError = error.into();

@@ -32,6 +32,12 @@ pin_project! {
     /// layer cannot tell when a buffered frame arrived, and a body that is
     /// always ready must not outlive its deadline.
     ///
+    /// A per-attempt limit still holds for the body in one way: the server got
+    /// it as `grpc-timeout`, and a server whose timer runs out mid-stream ends
+    /// it with `CANCELLED` or resets it. Once the attempt's limit has passed,
+    /// either end reaches the caller as `DEADLINE_EXCEEDED` trailers: the
+    /// caller cancelled nothing.
+    ///
     /// A call whose response was committed is a success only if it ends with
     /// `OK`: the layer's budget is credited when the trailers say so, not
     /// when the headers arrive (a stream cut, failed or dropped unread
@@ -42,6 +48,9 @@ pin_project! {
         inner: Option<B>,
         // The call's deadline, while the body is still open.
         deadline: Option<Instant>,
+        // The attempt's limit (its timeout or the deadline, the sooner): the
+        // `grpc-timeout` the server was sent.
+        limit: Option<Instant>,
         // Armed the first time the inner body has nothing ready, so a body
         // that is always ready costs no timer. Boxed to keep the body `Unpin`
         // whenever the inner one is.
@@ -66,10 +75,11 @@ impl fmt::Debug for OnOk {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn new(inner: B, deadline: Option<Instant>) -> Self {
+    pub(crate) fn new(inner: B, deadline: Option<Instant>, limit: Option<Instant>) -> Self {
         Self {
             inner: Some(inner),
             deadline,
+            limit,
             timer: None,
             on_ok: None,
         }
@@ -85,6 +95,7 @@ impl<B> ResponseBody<B> {
         Self {
             inner: None,
             deadline: None,
+            limit: None,
             timer: None,
             on_ok: None,
         }
@@ -102,21 +113,22 @@ impl<B> Default for ResponseBody<B> {
     }
 }
 
-/// The trailers that end a body cut at the call's deadline.
-fn deadline_trailers() -> HeaderMap {
+/// The trailers that end a body whose time ran out: at the call's deadline,
+/// or at the attempt's limit when the server ended it for that.
+fn timed_out_trailers(message: &'static str) -> HeaderMap {
     let mut trailers = HeaderMap::with_capacity(2);
     trailers.insert(GRPC_STATUS, HeaderValue::from_static("4"));
-    trailers.insert(
-        "grpc-message",
-        HeaderValue::from_static("call deadline exceeded while receiving the response"),
-    );
+    trailers.insert(GRPC_MESSAGE, HeaderValue::from_static(message));
     trailers
 }
 
-/// Whether trailers end the call with `OK` (read as tonic's client reads
-/// `grpc-status`), and whether they carry status details. One pass: trailers
-/// hold a handful of entries, where a lookup would hash each name.
-fn read_trailers(trailers: &HeaderMap) -> (bool, bool) {
+const DEADLINE_PASSED: &str = "call deadline exceeded while receiving the response";
+const ATTEMPT_TIMED_OUT: &str = "attempt timed out while receiving the response";
+
+/// The code trailers end the call with, as tonic's client reads it (`None`
+/// without `grpc-status`), and whether they carry status details. One pass:
+/// trailers hold a handful of entries, where a lookup would hash each name.
+fn read_trailers(trailers: &HeaderMap) -> (Option<Code>, bool) {
     let (mut status, mut message, mut details) = (None, None, false);
     for (name, value) in trailers {
         // Several values: tonic reads the first.
@@ -128,8 +140,8 @@ fn read_trailers(trailers: &HeaderMap) -> (bool, bool) {
             details = true;
         }
     }
-    let ok = status.is_some_and(|v| code_as_tonic_reads(v, message) == Code::Ok);
-    (ok, details)
+    let code = status.map(|v| code_as_tonic_reads(v, message));
+    (code, details)
 }
 
 impl<B: Body> Body for ResponseBody<B> {
@@ -158,11 +170,12 @@ impl<B: Body> Body for ResponseBody<B> {
                 *this.timer = None;
                 *this.deadline = None;
                 *this.on_ok = None;
-                return Poll::Ready(Some(Ok(Frame::trailers(deadline_trailers()))));
+                return Poll::Ready(Some(Ok(Frame::trailers(timed_out_trailers(
+                    DEADLINE_PASSED,
+                )))));
             }
         }
-        let polled = inner.poll_frame(cx);
-        match &polled {
+        let end = match inner.poll_frame(cx) {
             Poll::Pending => {
                 if let Some(deadline) = *this.deadline
                     && this.timer.is_none()
@@ -174,34 +187,63 @@ impl<B: Body> Body for ResponseBody<B> {
                         cx.waker().wake_by_ref();
                     }
                 }
+                return Poll::Pending;
             }
-            Poll::Ready(Some(Ok(frame))) if !frame.is_trailers() => {}
-            // Trailers, an error or the end: the body is over, and its
-            // deadline no longer applies.
-            Poll::Ready(_) => {
-                *this.deadline = None;
-                *this.timer = None;
-            }
-        }
-        polled.map(|frame| {
-            frame.map(|frame| {
-                frame.map(|frame| match frame.into_trailers() {
-                    Ok(mut trailers) => {
-                        let (ok, details) = read_trailers(&trailers);
-                        if let Some(OnOk(credit)) = this.on_ok.take()
-                            && ok
-                        {
-                            credit.credit();
-                        }
-                        if details {
-                            repair_status_details(&mut trailers);
-                        }
-                        Frame::trailers(trailers)
-                    }
-                    Err(frame) => frame,
+            Poll::Ready(Some(Ok(frame))) => match frame.into_trailers() {
+                Ok(trailers) => Some(Ok(trailers)),
+                Err(data) => return Poll::Ready(Some(Ok(data))),
+            },
+            Poll::Ready(Some(Err(error))) => Some(Err(error)),
+            Poll::Ready(None) => None,
+        };
+        // Trailers, an error or the end: the body is over, and its deadline
+        // no longer applies.
+        let deadline = this.deadline.take();
+        *this.timer = None;
+        let on_ok = this.on_ok.take();
+        // The server ended the stream (CANCELLED, or a reset) once the
+        // attempt's limit had passed: its timer for the `grpc-timeout` we sent.
+        let timed_out = || {
+            let at = (*this.limit)?;
+            (Instant::now() >= at).then(|| {
+                timed_out_trailers(if Some(at) == deadline {
+                    DEADLINE_PASSED
+                } else {
+                    ATTEMPT_TIMED_OUT
                 })
             })
-        })
+        };
+        let frame = match end {
+            None => return Poll::Ready(None),
+            Some(Err(error)) => match timed_out() {
+                Some(trailers) => {
+                    this.inner.set(None);
+                    Frame::trailers(trailers)
+                }
+                None => return Poll::Ready(Some(Err(error))),
+            },
+            Some(Ok(mut trailers)) => {
+                let (code, details) = read_trailers(&trailers);
+                match code {
+                    Some(Code::Ok) => {
+                        if let Some(OnOk(credit)) = on_ok {
+                            credit.credit();
+                        }
+                    }
+                    Some(Code::Cancelled) => {
+                        if let Some(cut) = timed_out() {
+                            trailers = cut;
+                        }
+                    }
+                    _ => {}
+                }
+                if details {
+                    repair_status_details(&mut trailers);
+                }
+                Frame::trailers(trailers)
+            }
+        };
+        Poll::Ready(Some(Ok(frame)))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -231,7 +273,10 @@ mod tests {
             Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"abc"))),
             Ok(Frame::trailers(trailers)),
         ]));
-        let collected = ResponseBody::new(inner, None).collect().await.unwrap();
+        let collected = ResponseBody::new(inner, None, None)
+            .collect()
+            .await
+            .unwrap();
         let trailers = collected.trailers().cloned().expect("trailers pass");
         assert_eq!(trailers["grpc-status"], "14");
         assert!(!trailers.contains_key("grpc-status-details-bin"));
@@ -255,7 +300,7 @@ mod tests {
         let (tx, inner) = channel_body();
         let start = Instant::now();
         let deadline = start + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline), None));
         tx.send(Ok(Frame::data(Bytes::from_static(b"first"))))
             .unwrap();
         let frame = body.frame().await.unwrap().unwrap();
@@ -281,7 +326,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"x")))
             })));
         let deadline = Instant::now() + Duration::from_millis(10);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline), None));
         let mut frames = 0;
         loop {
             let frame = body.frame().await.unwrap().unwrap();
@@ -301,7 +346,7 @@ mod tests {
     async fn a_body_that_ends_in_time_is_untouched_and_its_timer_goes() {
         let (tx, inner) = channel_body();
         let deadline = Instant::now() + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline), None));
         let reader = async {
             let mut got = Vec::new();
             while let Some(frame) = body.frame().await {
@@ -329,37 +374,40 @@ mod tests {
     }
 
     #[test]
-    fn trailers_are_ok_as_tonic_reads_them() {
+    fn trailers_read_as_tonic_reads_them() {
         let read = |pairs: &[(&'static str, &'static str)]| {
             let mut t = HeaderMap::new();
             for (k, v) in pairs {
                 t.append(*k, HeaderValue::from_static(v));
             }
-            let tonic_ok = tonic::Status::from_header_map(&t).map(|s| s.code());
-            let (ok, details) = read_trailers(&t);
-            assert_eq!(ok, tonic_ok == Some(Code::Ok), "{pairs:?}");
-            (ok, details)
+            let tonic_reads = tonic::Status::from_header_map(&t).map(|s| s.code());
+            let (code, details) = read_trailers(&t);
+            assert_eq!(code, tonic_reads, "{pairs:?}");
+            (code, details)
         };
-        assert_eq!(read(&[("grpc-status", "0")]), (true, false));
-        assert_eq!(read(&[("grpc-status", "14")]), (false, false));
-        assert_eq!(read(&[("grpc-status", "00")]), (false, false));
-        assert_eq!(read(&[("grpc-message", "x")]), (false, false));
+        assert_eq!(read(&[("grpc-status", "0")]), (Some(Code::Ok), false));
+        assert_eq!(
+            read(&[("grpc-status", "14")]),
+            (Some(Code::Unavailable), false)
+        );
+        assert_eq!(read(&[("grpc-status", "00")]), (Some(Code::Unknown), false));
+        assert_eq!(read(&[("grpc-message", "x")]), (None, false));
         assert_eq!(
             read(&[("grpc-status", "0"), ("grpc-status", "14")]),
-            (true, false)
+            (Some(Code::Ok), false)
         );
         assert_eq!(
             read(&[("grpc-status-details-bin", "CAg="), ("grpc-status", "0")]),
-            (true, true)
+            (Some(Code::Ok), true)
         );
         // A message tonic cannot decode makes the call UNKNOWN.
         assert_eq!(
             read(&[("grpc-status", "0"), ("grpc-message", "%FF")]),
-            (false, false)
+            (Some(Code::Unknown), false)
         );
         assert_eq!(
             read(&[("grpc-status", "0"), ("grpc-message", "caf%C3%A9 %zz")]),
-            (true, false)
+            (Some(Code::Ok), false)
         );
     }
 

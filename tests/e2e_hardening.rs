@@ -1,7 +1,7 @@
 //! The hardening promises against real tonic servers on loopback (SPEC §3a,
 //! §6a, §8a): a saturated concurrency limit below the layer, a slow instance
-//! behind the balancer under concurrent traffic, the three racing timers, and
-//! a server that is down. Times here are real but short, and every call is
+//! behind the balancer under concurrent traffic, the three racing timers, a
+//! server that is down, and a peer that drops the connection. Times here are real but short, and every call is
 //! bounded.
 
 mod common;
@@ -201,4 +201,57 @@ async fn a_server_that_is_down_is_reported_as_unavailable() {
             "{status:?}"
         );
     }
+}
+
+/// A peer that accepts the connection, reads what the client sends, and
+/// drops the connection without a response: the attempts find no server to
+/// answer them, and the call ends as UNAVAILABLE naming the transport error,
+/// whatever the number of attempts (SPEC §8a). (tonic's own client reports
+/// this as UNKNOWN "transport error".)
+#[tokio::test]
+async fn a_connection_dropped_before_the_response_ends_as_unavailable() {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dropper = tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                // The preface, SETTINGS and the request: then gone.
+                let mut buf = [0u8; 1024];
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(200), socket.read(&mut buf)).await;
+            });
+        }
+    });
+    for attempts in [1, 3] {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_lazy();
+        let layer = RetryLayer::new(
+            RetryPolicy::new(attempts, MS, 2 * MS, 0.2).unwrap(),
+            budget(),
+        );
+        let mut client =
+            LibraryClient::new(ServiceBuilder::new().layer(layer.clone()).service(channel));
+        let status = bounded(client.get_book(get("1")))
+            .await
+            .expect_err("the peer never answers");
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(
+            status.message().contains("no response from the server"),
+            "{status:?}"
+        );
+        assert_eq!(
+            layer.metrics().attempts(),
+            u64::from(attempts),
+            "{status:?}"
+        );
+        // A give-up after retrying carries the mark up; one attempt does not.
+        let marked = status.metadata().get("grpc-retry-pushback-ms").is_some();
+        assert_eq!(marked, attempts > 1, "{status:?}");
+    }
+    dropper.abort();
 }

@@ -331,6 +331,65 @@ async fn a_servers_cancelled_at_the_attempts_limit_is_its_time_running_out() {
     assert_eq!(code_of(&response), Code::DeadlineExceeded);
 }
 
+/// A server that got `grpc-timeout` ends a stream it is still sending when
+/// that time runs out: with CANCELLED trailers (tonic, grpc-java) or a reset
+/// (the body fails). Once the attempt's limit has passed, either reaches the
+/// caller as DEADLINE_EXCEEDED; before it, the server's answer passes as is.
+#[tokio::test(start_paused = true)]
+async fn a_stream_the_server_ends_at_the_attempts_limit_ends_deadline_exceeded() {
+    let cancelled = || {
+        let mut t = http::HeaderMap::new();
+        t.insert("grpc-status", HeaderValue::from_static("1"));
+        Ok(Frame::trailers(t))
+    };
+    let reset = || Err(tonic::Status::cancelled("stream reset by the server"));
+    type End = fn() -> Result<Frame<Bytes>, tonic::Status>;
+    let cases: [(&str, Duration, End, Option<Code>); 5] = [
+        // (deadline, when the server ends it, how, what the caller's client reads)
+        ("1S", 100 * MS, cancelled, Some(Code::DeadlineExceeded)),
+        ("1S", 150 * MS, reset, Some(Code::DeadlineExceeded)),
+        ("80m", 80 * MS, cancelled, Some(Code::DeadlineExceeded)),
+        ("1S", 50 * MS, cancelled, Some(Code::Cancelled)),
+        ("1S", 50 * MS, reset, None),
+    ];
+    for (deadline, at, end, expected) in cases {
+        let policy = RetryPolicy::default().with_attempt_timeout(100 * MS);
+        let (mut svc, mut handle, _) = setup(policy, budget());
+        let start = Instant::now();
+        let call = spawn_call(&mut svc, with_timeout(request(), deadline)).await;
+        let (_, send, _) = next(&mut handle).await;
+        let (tx, response) = streaming_response();
+        tx.send(data("\0\0\0\0\x01a")).unwrap();
+        send.send_response(response);
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(code_of(&response), Code::Ok, "committed");
+        let mut body = response.into_body();
+        assert!(bounded(body.frame()).await.unwrap().unwrap().is_data());
+        tokio::time::sleep_until(start + at).await;
+        tx.send(end()).unwrap();
+        drop(tx);
+        let last = bounded(body.frame()).await.unwrap();
+        let case = format!("{deadline}, ended at {at:?}: {last:?}");
+        let got = match last {
+            Ok(frame) => {
+                let trailers = frame.into_trailers().expect("trailers");
+                Some(tonic::Status::from_header_map(&trailers).unwrap())
+            }
+            Err(_) => None,
+        };
+        assert_eq!(got.as_ref().map(tonic::Status::code), expected, "{case}");
+        if let Some(status) = got.filter(|s| s.code() == Code::DeadlineExceeded) {
+            let limit = if deadline == "1S" {
+                "attempt timed out"
+            } else {
+                "call deadline exceeded"
+            };
+            assert!(status.message().starts_with(limit), "{case}");
+        }
+        assert!(body.frame().await.is_none(), "{case}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_cancelled_before_any_limit_is_the_servers_own_answer() {
     let inner = scripted(10 * MS, |_| {
