@@ -428,13 +428,9 @@ where
                     error,
                     "the inner service failed while the attempt waited for it; ending with the last status"
                 );
-                let mut response = state.last_status(&error);
-                if policy.retry_at_one_layer && state.retried {
-                    mark_given_up(&mut response, metrics);
-                }
-                *result = Ok(response);
-                req.body().release();
-                return None;
+                *result = Ok(state.last_status(&error));
+                let marked = policy.retry_at_one_layer && state.retried;
+                return end_call(req, result, marked, metrics);
             }
             Err(Failure::NoBudget) => {
                 metrics.record(Event::RefusedByBudget);
@@ -443,23 +439,23 @@ where
                     key = key(req),
                     "retry budget exhausted"
                 );
-                let mut response = if budget::refusal_keeps_status(budget) {
+                *result = Ok(if budget::refusal_keeps_status(budget) {
                     state.last_status("retries throttled")
                 } else {
                     let message = format!("retry budget exhausted; {}", state.ended_with(None));
                     status_response(Code::ResourceExhausted, message)
-                };
-                if policy.retry_at_one_layer {
-                    mark_given_up(&mut response, metrics);
-                }
-                *result = Ok(response);
-                req.body().release();
-                return None;
+                });
+                return end_call(req, result, policy.retry_at_one_layer, metrics);
             }
             _ => {}
         }
 
-        let sent = !matches!(result, Err(Failure::Cut { sent: false, .. }));
+        // An attempt cut before it was sent got no answer; one the deadline
+        // cut so is a retry (or a first attempt) that found no time left.
+        let (sent, out_of_time) = match result {
+            Err(Failure::Cut { why, sent: false }) => (false, *why == Cut::Deadline),
+            _ => (true, false),
+        };
         if sent {
             state.sent += 1;
             metrics.record(Event::Attempt);
@@ -487,13 +483,6 @@ where
             Verdict::Retryable { .. } => instance(result, header, picked.as_ref()),
             _ => None,
         };
-        let out_of_time = matches!(
-            result,
-            Err(Failure::Cut {
-                why: Cut::Deadline,
-                sent: false
-            })
-        );
         let outcome = Outcome {
             verdict,
             instance: failed_instance,
@@ -534,28 +523,17 @@ where
         );
 
         match decision {
-            Decision::Done(_) => {
-                if verdict != Verdict::Committed {
-                    finish(result, state);
-                } else if let Ok(response) = result {
+            Decision::Done(_) if verdict == Verdict::Committed => {
+                if let Ok(response) = result {
                     response
                         .body_mut()
                         .credit_on_ok(Arc::clone(&self.shared) as Arc<dyn Credit>);
                 }
-                if marked && let Ok(response) = result {
-                    mark_given_up(response, metrics);
-                }
-                req.body().release();
-                None
             }
+            Decision::Done(_) => finish(result, state),
             Decision::Throttled => {
                 metrics.record(Event::RefusedByBudget);
                 finish(result, state);
-                if marked && let Ok(response) = result {
-                    mark_given_up(response, metrics);
-                }
-                req.body().release();
-                None
             }
             Decision::NoTime { left, .. } => {
                 metrics.record(Event::RefusedByDeadline);
@@ -565,40 +543,25 @@ where
                 } else {
                     format!("no time left for another attempt: {left:?} left, {ended_with}")
                 };
-                let mut response = status_response(Code::DeadlineExceeded, message);
-                if marked {
-                    mark_given_up(&mut response, metrics);
-                }
-                *result = Ok(response);
-                req.body().release();
-                None
+                *result = Ok(status_response(Code::DeadlineExceeded, message));
             }
             Decision::NoBudget { .. } => {
                 metrics.record(Event::RefusedByBudget);
-                let mut response = status_response(
-                    Code::ResourceExhausted,
-                    format!("retry budget exhausted; {}", ended_with(state)),
-                );
-                if marked {
-                    mark_given_up(&mut response, metrics);
-                }
-                *result = Ok(response);
-                req.body().release();
-                None
+                let message = format!("retry budget exhausted; {}", ended_with(state));
+                *result = Ok(status_response(Code::ResourceExhausted, message));
             }
             Decision::Retry { delay } => {
                 state.remember(result);
                 if state.sent > 0 {
+                    // An attempt was sent: the next one is a retry.
                     state.retried = true;
                     req.body_mut().set_retry();
-                }
-                let headers = req.headers_mut();
-                if state.sent > 0 {
-                    headers.insert(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));
+                    req.headers_mut()
+                        .insert(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));
                 }
                 if !state.tried.is_empty() {
                     if let Some(value) = state.tried.to_header() {
-                        headers.insert(ALREADY_TRIED, value);
+                        req.headers_mut().insert(ALREADY_TRIED, value);
                     }
                     req.extensions_mut().insert(state.tried.clone());
                 }
@@ -608,9 +571,10 @@ where
                     // replayed the body, the copy goes.
                     req.body_mut().mark_last();
                 }
-                Some(Backoff::new(delay))
+                return Some(Backoff::new(delay));
             }
         }
+        end_call(req, result, marked, metrics)
     }
 
     fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
@@ -625,6 +589,21 @@ where
         *clone.extensions_mut() = req.extensions().clone();
         Some(clone)
     }
+}
+
+/// The call ends with `result`: marked "do not retry" for the layers above
+/// if `marked`, and the replay copy released.
+fn end_call<B, RB>(
+    req: &Request<ReplayBody<B>>,
+    result: &mut Result<Response<ResponseBody<RB>>, Failure>,
+    marked: bool,
+    metrics: &RetryMetrics,
+) -> Option<Backoff> {
+    if marked && let Ok(response) = result {
+        mark_given_up(response, metrics);
+    }
+    req.body().release();
+    None
 }
 
 /// Marks a failure this layer gave up on "do not retry" for the layers above

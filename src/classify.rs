@@ -147,27 +147,25 @@ fn retryable_verdict(code: Code, headers: &HeaderMap, retryable: RetryableCodes)
 /// A failure of the inner service: no response headers arrived, so the request
 /// never reached the application as far as the caller can tell.
 pub(crate) fn classify_error(retryable: RetryableCodes) -> Verdict {
-    if retryable.contains(Code::Unavailable) {
-        Verdict::Retryable {
-            code: Code::Unavailable,
-            server_delay: None,
-        }
-    } else {
-        Verdict::Final(Code::Unavailable)
-    }
+    without_metadata(Code::Unavailable, retryable)
 }
 
 /// An attempt whose time limit ran out (the layer's cut, a channel's
 /// `grpc-timeout`, or a server's): `DEADLINE_EXCEEDED`, retryable while the
 /// call has time if the set allows it.
 pub(crate) fn classify_timeout(retryable: RetryableCodes) -> Verdict {
-    if retryable.contains(Code::DeadlineExceeded) {
+    without_metadata(Code::DeadlineExceeded, retryable)
+}
+
+/// The verdict for `code` when no server sent it, so no metadata can change it.
+fn without_metadata(code: Code, retryable: RetryableCodes) -> Verdict {
+    if retryable.contains(code) {
         Verdict::Retryable {
-            code: Code::DeadlineExceeded,
+            code,
             server_delay: None,
         }
     } else {
-        Verdict::Final(Code::DeadlineExceeded)
+        Verdict::Final(code)
     }
 }
 
@@ -183,7 +181,7 @@ fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
 
 /// The gRPC code for an HTTP response that carries no `grpc-status`, as gRPC
 /// clients map it.
-pub(crate) fn code_for_http_status(status: StatusCode) -> Code {
+fn code_for_http_status(status: StatusCode) -> Code {
     match status.as_u16() {
         400 => Code::Internal,
         401 => Code::Unauthenticated,

@@ -8,6 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
+use crate::classify::{Pushback, pushback_value};
+use crate::status::RETRY_PUSHBACK;
+
 /// The request header carrying the call's idempotency key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency-key");
 /// The request header on attempt `n + 1` carrying `n` (gRPC A6).
@@ -304,12 +307,9 @@ pub trait RetryMarkExt {
 
 impl RetryMarkExt for tonic::Status {
     fn retried_below(&self) -> bool {
-        self.metadata().get(RETRY_PUSHBACK).is_some_and(|v| {
-            matches!(
-                crate::classify::pushback_value(v.as_bytes()),
-                crate::classify::Pushback::Refused
-            )
-        })
+        self.metadata()
+            .get(RETRY_PUSHBACK)
+            .is_some_and(|v| matches!(pushback_value(v.as_bytes()), Pushback::Refused))
     }
 
     fn keep_retry_mark(mut self, from: &tonic::Status) -> Self {
@@ -322,9 +322,6 @@ impl RetryMarkExt for tonic::Status {
         self
     }
 }
-
-/// `grpc-retry-pushback-ms`, as tonic's metadata names it.
-const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 
 #[cfg(test)]
 mod tests {

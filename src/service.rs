@@ -183,17 +183,14 @@ where
         };
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
 
-        match key {
-            // A key the caller set is kept on every attempt.
-            Some(false) => {}
-            // An empty key is no key: unrelated calls would share one dedup slot.
-            Some(true) => {
-                parts.headers.insert(IDEMPOTENCY_KEY, new_idempotency_key());
-            }
-            None if policy.idempotency_key => {
-                parts.headers.insert(IDEMPOTENCY_KEY, new_idempotency_key());
-            }
-            None => {}
+        // A key the caller set is kept on every attempt; an empty one is no
+        // key (unrelated calls would share one dedup slot) and is replaced.
+        let generate = match key {
+            Some(empty) => empty,
+            None => policy.idempotency_key,
+        };
+        if generate {
+            parts.headers.insert(IDEMPOTENCY_KEY, new_idempotency_key());
         }
         if previous_attempts {
             // A6: the first attempt carries no attempt count, whatever the caller set.

@@ -8,8 +8,9 @@ pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status"
 pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 pub(crate) const GRPC_STATUS_DETAILS: HeaderName =
     HeaderName::from_static("grpc-status-details-bin");
-pub(crate) const GRPC_RETRY_PUSHBACK: HeaderName =
-    HeaderName::from_static("grpc-retry-pushback-ms");
+/// `grpc-retry-pushback-ms`, as a `&str` for tonic's metadata map.
+pub(crate) const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+pub(crate) const GRPC_RETRY_PUSHBACK: HeaderName = HeaderName::from_static(RETRY_PUSHBACK);
 
 /// A gRPC Trailers-Only response carrying a status the layer decided itself:
 /// HTTP 200, `content-type: application/grpc`, `grpc-status`, `grpc-message`.
