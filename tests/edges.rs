@@ -364,49 +364,84 @@ async fn drop_during_retry_readiness_spends_nothing() {
     assert_eq!(layer.budget().available(), 100.0);
 }
 
+/// `grpc-timeout` at the ends of its range: zero (nothing is sent), one
+/// nanosecond, and the largest values of each unit (sent on, with a
+/// `grpc-timeout` no longer than the caller's).
 #[tokio::test(start_paused = true)]
 async fn grpc_timeout_edges() {
-    for t in ["0n", "00000000n", "99999999H", "99999999M", "1n"] {
+    for t in ["0n", "00000000n"] {
+        let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+        let call = spawn_call(&mut svc, with_timeout(request(), t)).await;
+        let r = bounded(call).await.unwrap().unwrap();
+        assert_eq!(code_of(&r), Code::DeadlineExceeded, "{t}");
+        assert!(handle.next_request().now_or_never().is_none(), "{t}: sent");
+        assert_eq!(layer.metrics().attempts(), 0, "{t}");
+    }
+    for t in ["1n", "99999999H", "99999999M"] {
         let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
         let call = spawn_call(&mut svc, with_timeout(request(), t)).await;
-        if let Some(Some((req, send))) = handle.next_request().now_or_never() {
-            let _ = req;
-            send.send_response(ok());
-        }
+        let (req, send) = handle
+            .next_request()
+            .now_or_never()
+            .flatten()
+            .expect("sent at once");
+        let sent = req.headers()["grpc-timeout"].to_str().unwrap().to_owned();
+        assert!(sent.len() <= 9, "{t}: sent {sent:?}");
+        let caller = grpc_timeout(t);
+        assert!(grpc_timeout(&sent) <= caller, "{t}: sent {sent:?}");
+        send.send_response(ok());
         let r = bounded(call).await.unwrap().unwrap();
-        let _ = code_of(&r);
+        assert_eq!(code_of(&r), Code::Ok, "{t}");
     }
 }
 
+/// A `grpc-timeout` value as a duration, for the checks above.
+fn grpc_timeout(value: &str) -> Duration {
+    let (digits, unit) = value.split_at(value.len() - 1);
+    let n: u64 = digits.parse().unwrap();
+    match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        other => panic!("unit {other}"),
+    }
+}
+
+/// A server asks for the largest pushback there is (u64::MAX ms), and the
+/// layer's cap is lifted. Without a deadline the call waits, as asked,
+/// sending nothing more; with one (however far), the delay is beyond it and
+/// the call ends at once with DEADLINE_EXCEEDED. No overflow either way.
 #[tokio::test(start_paused = true)]
 async fn huge_server_delays_with_no_cap_and_no_deadline() {
+    let huge = || {
+        let mut r = status(Code::Unavailable);
+        r.headers_mut().insert(
+            "grpc-retry-pushback-ms",
+            HeaderValue::from_static("18446744073709551615"),
+        );
+        r
+    };
     let policy = RetryPolicy::default().with_max_server_delay(Duration::MAX);
-    let (mut svc, mut handle, _) = setup(policy, budget());
+    let (mut svc, mut handle, _) = setup(policy.clone(), budget());
     let call = spawn_call(&mut svc, request()).await;
     let (_, send, _) = next(&mut handle).await;
-    let mut r = status(Code::Unavailable);
-    r.headers_mut().insert(
-        "grpc-retry-pushback-ms",
-        HeaderValue::from_static("18446744073709551615"),
-    );
-    send.send_response(r);
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    send.send_response(huge());
+    tokio::time::sleep(Duration::from_secs(10 * 365 * 24 * 3600)).await;
+    assert!(!call.is_finished(), "still waiting, as the server asked");
+    assert!(handle.next_request().now_or_never().is_none());
     call.abort();
-    let _ = call.await;
-    // and with a deadline
-    let policy = RetryPolicy::default().with_max_server_delay(Duration::MAX);
+
     let (mut svc, mut handle, _) = setup(policy, budget());
+    let start = Instant::now();
     let call = spawn_call(&mut svc, with_timeout(request(), "99999999H")).await;
     let (_, send, _) = next(&mut handle).await;
-    let mut r = status(Code::Unavailable);
-    r.headers_mut().insert(
-        "grpc-retry-pushback-ms",
-        HeaderValue::from_static("18446744073709551615"),
-    );
-    send.send_response(r);
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    call.abort();
-    let _ = call.await;
+    send.send_response(huge());
+    let r = bounded(call).await.unwrap().unwrap();
+    assert_eq!(code_of(&r), Code::DeadlineExceeded);
+    assert_eq!(start.elapsed(), Duration::ZERO, "at once");
 }
 
 #[tokio::test(start_paused = true)]
