@@ -114,7 +114,8 @@ struct Outcome<'a> {
     verdict: Verdict,
     /// The instance a failed attempt went to, if known.
     instance: Option<&'a HeaderValue>,
-    /// Whether the request body can still be sent again.
+    /// Whether the request body can still be sent again (asked only for a
+    /// retryable failure).
     replayable: bool,
     /// Time left before the call's deadline, if it has one.
     remaining: Option<Duration>,
@@ -486,7 +487,8 @@ where
         let outcome = Outcome {
             verdict,
             instance: failed_instance,
-            replayable: req.body().is_replayable(),
+            // Asked only where a retry is in question: it takes the body's lock.
+            replayable: matches!(verdict, Verdict::Retryable { .. }) && req.body().is_replayable(),
             remaining,
             out_of_time,
             sent,
