@@ -458,13 +458,7 @@ fn outcome<RB, E: Into<BoxError>>(
             // An error carrying a gRPC status is that status, as tonic's
             // client would report it.
             if let Some(status) = status_in(&*error) {
-                let status = tonic::Status::with_details_and_metadata(
-                    status.code(),
-                    status.message(),
-                    bytes::Bytes::copy_from_slice(status.details()),
-                    status.metadata().clone(),
-                );
-                return Ok(status.into_http());
+                return Ok(status.clone().into_http());
             }
             Err(Failure::Transport(error))
         }
