@@ -262,6 +262,27 @@ impl RetryPolicy {
     /// A per-attempt timeout does not make a slow service fast: when every
     /// instance needs longer than `timeout`, every attempt times out and the
     /// call fails with `DEADLINE_EXCEEDED` after using its attempts.
+    ///
+    /// The server is sent the attempt's limit as `grpc-timeout`, so it bounds
+    /// a streamed response too: a server that ends the stream when it runs
+    /// out reaches the caller as `DEADLINE_EXCEEDED`.
+    ///
+    /// Each cut attempt resets its HTTP/2 stream, and under load h2's default
+    /// limits on reset streams (50 remembered for a second) can close a whole
+    /// connection (`too_many_internal_resets`). Raise them on the channel's
+    /// `Endpoint`:
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// use tonic::transport::Endpoint;
+    /// use tonic_retry::RetryPolicy;
+    ///
+    /// let policy = RetryPolicy::default().with_attempt_timeout(Duration::from_millis(250));
+    /// let channel = Endpoint::from_static("http://[::1]:50051")
+    ///     .http2_max_concurrent_reset_streams(4096)
+    ///     .connect_lazy();
+    /// # let _ = (policy, channel);
+    /// ```
     #[must_use]
     pub fn with_attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = Some(timeout);
