@@ -109,8 +109,15 @@ pub(crate) enum Failure {
 }
 
 /// Sends each attempt of one call to the inner service.
-pub(crate) struct Attempt<S, B, Bu> {
+// NOTE: the bound names `S::Error` for `into_box`; see `RetryService`.
+pub(crate) struct Attempt<S, B, Bu>
+where
+    S: Service<Request<B>>,
+{
     inner: S,
+    /// The inner service's error as a `BoxError`, proven where the layer's
+    /// service was made.
+    into_box: fn(S::Error) -> BoxError,
     /// The next call is the call's first attempt.
     first: bool,
     /// `inner` was readied by the caller, through `RetryService::poll_ready`,
@@ -125,18 +132,23 @@ pub(crate) struct Attempt<S, B, Bu> {
     _body: PhantomData<fn(B)>,
 }
 
-impl<S, B, Bu> Attempt<S, B, Bu> {
+impl<S, B, Bu> Attempt<S, B, Bu>
+where
+    S: Service<Request<B>>,
+{
     /// The attempts of one call under `policy`, the first through `first`,
     /// which the caller's `poll_ready` made ready if `ready`.
     pub(crate) fn new(
         first: S,
         ready: bool,
+        into_box: fn(S::Error) -> BoxError,
         shared: Arc<Shared<Bu>>,
         policy: &RetryPolicy,
         limits: Limits,
     ) -> Self {
         Self {
             inner: first,
+            into_box,
             first: true,
             ready,
             shared,
@@ -150,10 +162,14 @@ impl<S, B, Bu> Attempt<S, B, Bu> {
 
 // Not derived: that would ask for `B: Clone` and `Bu: Clone`, which the
 // markers and the shared handle do not need.
-impl<S: Clone, B, Bu> Clone for Attempt<S, B, Bu> {
+impl<S, B, Bu> Clone for Attempt<S, B, Bu>
+where
+    S: Service<Request<B>> + Clone,
+{
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
+            into_box: self.into_box,
             first: self.first,
             ready: false,
             shared: Arc::clone(&self.shared),
@@ -168,7 +184,6 @@ impl<S: Clone, B, Bu> Clone for Attempt<S, B, Bu> {
 impl<S, B, RB, Bu> Service<Request<ReplayBody<B>>> for Attempt<S, B, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
-    S::Error: Into<BoxError>,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
 {
@@ -199,14 +214,16 @@ where
             if let Some((at, why)) = cut {
                 let left = at.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return AttemptFuture::failed(Failure::Cut { why, sent: false });
+                    let failure = Failure::Cut { why, sent: false };
+                    return AttemptFuture::failed(failure, self.into_box);
                 }
                 req.headers_mut()
                     .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
             }
             let future = self.inner.call(req.map(B::from));
             let state = State::Called { future };
-            return AttemptFuture::new(state, cut, deadline, None, Duration::ZERO);
+            let into_box = self.into_box;
+            return AttemptFuture::new(state, into_box, cut, deadline, None, Duration::ZERO);
         }
         // Wait for readiness under the timer; then a retry pays, and is sent.
         let service = if first {
@@ -220,7 +237,8 @@ where
             waiting: Box::new((service, Some(req))),
         };
         let retry = (!first).then(|| Arc::clone(&self.shared));
-        AttemptFuture::new(state, cut, deadline, retry, self.min_attempt_budget)
+        let min = self.min_attempt_budget;
+        AttemptFuture::new(state, self.into_box, cut, deadline, retry, min)
     }
 }
 
@@ -233,6 +251,7 @@ pin_project! {
     {
         #[pin]
         state: State<S, Request<ReplayBody<B>>, S::Future>,
+        into_box: fn(S::Error) -> BoxError,
         #[pin]
         timer: Option<Sleep>,
         cut: Option<(Instant, Cut)>,
@@ -272,6 +291,7 @@ where
 {
     fn new(
         state: State<S, Request<ReplayBody<B>>, S::Future>,
+        into_box: fn(S::Error) -> BoxError,
         cut: Option<(Instant, Cut)>,
         deadline: Option<Instant>,
         retry: Option<Arc<Shared<Bu>>>,
@@ -279,6 +299,7 @@ where
     ) -> Self {
         Self {
             state,
+            into_box,
             timer: cut.map(|(at, _)| timer_at(at)),
             cut,
             deadline,
@@ -287,11 +308,12 @@ where
         }
     }
 
-    fn failed(failure: Failure) -> Self {
+    fn failed(failure: Failure, into_box: fn(S::Error) -> BoxError) -> Self {
         Self::new(
             State::Failed {
                 failure: Some(failure),
             },
+            into_box,
             None,
             None,
             None,
@@ -310,7 +332,6 @@ fn fired(timer: Pin<&mut Option<Sleep>>, cx: &mut Context<'_>) -> bool {
 impl<S, B, RB, Bu> Future for AttemptFuture<S, B, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>>,
-    S::Error: Into<BoxError>,
     B: From<ReplayBody<B>>,
     Bu: Budget,
 {
@@ -337,7 +358,7 @@ where
                                 Err(failure) => failure,
                             }
                         }
-                        Poll::Ready(Err(error)) => Failure::NotReady(error.into()),
+                        Poll::Ready(Err(error)) => Failure::NotReady((this.into_box)(error)),
                         Poll::Pending => match *this.cut {
                             Some((_, why)) if fired(this.timer.as_mut(), cx) => {
                                 Failure::Cut { why, sent: false }
@@ -353,6 +374,7 @@ where
                 StateProj::Called { future } => {
                     if let Poll::Ready(result) = future.poll(cx) {
                         this.timer.set(None);
+                        let result = result.map_err(*this.into_box);
                         return Poll::Ready(outcome(result, *this.cut, *this.deadline));
                     }
                     let Some((_, why)) = *this.cut else {
@@ -418,8 +440,8 @@ fn send<B, Bu: Budget>(
 }
 
 /// What the inner service's answer means for the attempt.
-fn outcome<RB, E: Into<BoxError>>(
-    result: Result<Response<RB>, E>,
+fn outcome<RB>(
+    result: Result<Response<RB>, BoxError>,
     cut: Option<(Instant, Cut)>,
     deadline: Option<Instant>,
 ) -> Result<Response<ResponseBody<RB>>, Failure> {
@@ -442,7 +464,6 @@ fn outcome<RB, E: Into<BoxError>>(
             Ok(response.map(|body| ResponseBody::new(body, deadline, limit)))
         }
         Err(error) => {
-            let error: BoxError = error.into();
             // A Channel enforcing the `grpc-timeout` we sent reports a
             // transport error (`TimeoutExpired`) that tonic would show as
             // CANCELLED: it too is the attempt's time running out.

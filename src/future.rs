@@ -7,7 +7,6 @@ use std::task::{Context, Poll, ready};
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use tower::BoxError;
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
@@ -25,11 +24,13 @@ pin_project! {
     ///
     /// Dropping it cancels the attempt in flight, or the backoff wait between
     /// attempts; nothing is left running.
+    // NOTE: the bounds are those the type of `inner` needs (tower's retry
+    // future names its service's future); none is on `S::Error`, so a call
+    // can be spawned whatever the inner service's error type.
     pub struct ResponseFuture<S, B, RB, Bu = RetryBudget>
     where
         S: Service<Request<B>, Response = Response<RB>>,
         S: Clone,
-        S::Error: Into<BoxError>,
         B: From<ReplayBody<B>>,
         B: Send,
         B: 'static,
@@ -47,7 +48,6 @@ pin_project! {
 impl<S, B, RB, Bu> ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
-    S::Error: Into<BoxError>,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget + Send + Sync + 'static,
 {
@@ -62,7 +62,6 @@ where
 impl<S, B, RB, Bu> Future for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
-    S::Error: Into<BoxError>,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget + Send + Sync + 'static,
 {
@@ -81,7 +80,6 @@ where
 impl<S, B, RB, Bu> std::fmt::Debug for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
-    S::Error: Into<BoxError>,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget + Send + Sync + 'static,
 {

@@ -1,7 +1,11 @@
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
+use http::Request;
+use tower::BoxError;
 use tower_layer::Layer;
+use tower_service::Service;
 
 use crate::budget::RetryBudget;
 use crate::methods::MethodPolicies;
@@ -18,8 +22,13 @@ use crate::shared::Shared;
 /// [`with_budget`](RetryLayer::with_budget), which takes any
 /// [`tower::retry::budget::Budget`] that is `Send + Sync` (tower's
 /// `TpsBudget`, say).
-pub struct RetryLayer<Bu = RetryBudget> {
+///
+/// `B` is the type of the request bodies the layer's services take: tonic's
+/// [`Body`](tonic::body::Body), what tonic's `Channel` and generated clients
+/// use, unless [`for_body`](RetryLayer::for_body) says otherwise.
+pub struct RetryLayer<Bu = RetryBudget, B = tonic::body::Body> {
     shared: Arc<Shared<Bu>>,
+    _body: PhantomData<fn(B)>,
 }
 
 impl RetryLayer {
@@ -63,6 +72,33 @@ impl<Bu> RetryLayer<Bu> {
     {
         Self {
             shared: Shared::new(policy.into(), budget),
+            _body: PhantomData,
+        }
+    }
+}
+
+impl<Bu, B> RetryLayer<Bu, B> {
+    /// The same layer (the same budget and counters) for services taking
+    /// request bodies of type `B2` — for a body that is not tonic's, such as
+    /// http-body-util's `UnsyncBoxBody<Bytes, BoxError>`:
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http_body_util::combinators::UnsyncBoxBody;
+    /// use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+    /// use tower::BoxError;
+    ///
+    /// # fn main() -> Result<(), tonic_retry::ConfigError> {
+    /// let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?)
+    ///     .for_body::<UnsyncBoxBody<Bytes, BoxError>>();
+    /// # let _ = layer;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn for_body<B2>(self) -> RetryLayer<Bu, B2> {
+        RetryLayer {
+            shared: self.shared,
+            _body: PhantomData,
         }
     }
 
@@ -90,23 +126,31 @@ impl<Bu> RetryLayer<Bu> {
     }
 }
 
-impl<Bu> Clone for RetryLayer<Bu> {
+impl<Bu, B> Clone for RetryLayer<Bu, B> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
+            _body: PhantomData,
         }
     }
 }
 
-impl<S, Bu> Layer<S> for RetryLayer<Bu> {
-    type Service = RetryService<S, Bu>;
+// NOTE: the inner service's error is proven to convert into `BoxError` here,
+// where the service is made, so that no impl a call's future needs asks for
+// it (see `RetryService`'s "Spawning calls").
+impl<S, Bu, B> Layer<S> for RetryLayer<Bu, B>
+where
+    S: Service<Request<B>>,
+    S::Error: Into<BoxError>,
+{
+    type Service = RetryService<S, Bu, B>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RetryService::from_shared(inner, Arc::clone(&self.shared))
     }
 }
 
-impl<Bu: fmt::Debug> fmt::Debug for RetryLayer<Bu> {
+impl<Bu: fmt::Debug, B> fmt::Debug for RetryLayer<Bu, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLayer")
             .field("policies", &self.shared.policies)

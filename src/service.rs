@@ -50,14 +50,57 @@ use crate::shared::Shared;
 /// the layer reads them — a timer below it, a status inside — and a call whose
 /// last attempt got no response reaches the caller as an `UNAVAILABLE` status
 /// naming the error, as gRPC reports transport failures.
-pub struct RetryService<S, Bu = RetryBudget> {
+///
+/// `B` is the request body type: tonic's [`Body`](tonic::body::Body) unless
+/// the layer was made for another ([`RetryLayer::for_body`](crate::RetryLayer::for_body)).
+///
+/// # Spawning calls
+///
+/// A call through the service can be `tokio::spawn`ed whatever the inner
+/// service's error type — a `BoxError` named in its own type included, as
+/// with a `tower::util::BoxCloneService<_, _, BoxError>` or a `service_fn`
+/// closure returning `BoxError`:
+///
+/// ```
+/// use tonic::body::Body;
+/// use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+/// use tower::{BoxError, Layer, ServiceExt};
+///
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), BoxError> {
+/// let inner = tower::service_fn(|_req: http::Request<Body>| {
+///     std::future::ready(Ok::<_, BoxError>(tonic::Status::ok("").into_http::<Body>()))
+/// });
+/// let svc = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(10, 0.1)?).layer(inner);
+/// let call = tokio::spawn(async move { svc.oneshot(http::Request::new(Body::empty())).await });
+/// assert_eq!(call.await??.headers()["grpc-status"], "0");
+/// # Ok(())
+/// # }
+/// ```
+///
+/// That is why the conversion of the inner service's error is proven where
+/// the service is made (by the layer or a constructor) and kept as a function,
+/// rather than asked of every impl: the compiler proves an impl's bounds again,
+/// with every lifetime erased, wherever its future is held across an await,
+/// and `Box<dyn Error + '_>: Into<BoxError>` does not hold for every lifetime.
+// NOTE: the one bound here is what names `S::Error` in `into_box`; it holds
+// for every service of requests with a body of `B`, whatever its error type.
+pub struct RetryService<S, Bu = RetryBudget, B = tonic::body::Body>
+where
+    S: Service<Request<B>>,
+{
     inner: S,
     /// Whether `inner` said it was ready and no call has used it since.
     ready: bool,
     shared: Arc<Shared<Bu>>,
+    into_box: fn(S::Error) -> BoxError,
 }
 
-impl<S> RetryService<S> {
+impl<S> RetryService<S>
+where
+    S: Service<Request<tonic::body::Body>>,
+    S::Error: Into<BoxError>,
+{
     /// Wraps `inner`, retrying by `policy` (one [`RetryPolicy`](crate::RetryPolicy),
     /// or [`MethodPolicies`]) and paying from `budget`.
     pub fn new(inner: S, policy: impl Into<MethodPolicies>, budget: RetryBudget) -> Self {
@@ -65,9 +108,14 @@ impl<S> RetryService<S> {
     }
 }
 
-impl<S, Bu> RetryService<S, Bu> {
+impl<S, Bu, B> RetryService<S, Bu, B>
+where
+    S: Service<Request<B>>,
+    S::Error: Into<BoxError>,
+{
     /// Wraps `inner`, paying for retries from any `tower` retry budget that
-    /// is `Send + Sync` (every call shares it).
+    /// is `Send + Sync` (every call shares it). The request body type `B` is
+    /// the one `inner` takes.
     pub fn with_budget(inner: S, policy: impl Into<MethodPolicies>, budget: Bu) -> Self
     where
         Bu: tower::retry::budget::Budget + Send + Sync + 'static,
@@ -80,9 +128,15 @@ impl<S, Bu> RetryService<S, Bu> {
             inner,
             ready: false,
             shared,
+            into_box: Into::into,
         }
     }
+}
 
+impl<S, Bu, B> RetryService<S, Bu, B>
+where
+    S: Service<Request<B>>,
+{
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -109,20 +163,25 @@ impl<S, Bu> RetryService<S, Bu> {
     }
 }
 
-impl<S: Clone, Bu> Clone for RetryService<S, Bu> {
+impl<S, Bu, B> Clone for RetryService<S, Bu, B>
+where
+    S: Service<Request<B>> + Clone,
+{
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
             ready: false,
             shared: Arc::clone(&self.shared),
+            into_box: self.into_box,
         }
     }
 }
 
-impl<S, B, RB, Bu> Service<Request<B>> for RetryService<S, Bu>
+// NOTE: no bound on `S::Error` here, nor on any impl a call's future needs:
+// see "Spawning calls" above.
+impl<S, B, RB, Bu> Service<Request<B>> for RetryService<S, Bu, B>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
-    S::Error: Into<BoxError>,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
     Bu: Budget + Send + Sync + 'static,
@@ -215,7 +274,14 @@ where
             deadline,
             attempt_timeout: policy.attempt_timeout,
         };
-        let attempt = Attempt::new(first, ready, Arc::clone(&self.shared), policy, limits);
+        let attempt = Attempt::new(
+            first,
+            ready,
+            self.into_box,
+            Arc::clone(&self.shared),
+            policy,
+            limits,
+        );
         let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried);
         ResponseFuture::new(Retry::new(call, attempt).call(req))
     }
@@ -248,7 +314,11 @@ fn callers_mark(parts: &mut Parts, in_headers: bool) -> AlreadyTried {
     tried
 }
 
-impl<S: fmt::Debug, Bu: fmt::Debug> fmt::Debug for RetryService<S, Bu> {
+impl<S, Bu, B> fmt::Debug for RetryService<S, Bu, B>
+where
+    S: Service<Request<B>> + fmt::Debug,
+    Bu: fmt::Debug,
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryService")
             .field("inner", &self.inner)

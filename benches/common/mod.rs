@@ -157,7 +157,11 @@ where
 }
 
 /// (c): this crate's layer.
-pub fn layered<S>(inner: S, policy: RetryPolicy) -> tonic_retry::RetryService<S> {
+pub fn layered<S>(inner: S, policy: RetryPolicy) -> tonic_retry::RetryService<S>
+where
+    S: Service<Request<Body>>,
+    S::Error: Into<BoxError>,
+{
     let layer = RetryLayer::new(
         policy,
         RetryBudget::new(1_000, 0.1).expect("a valid budget"),
@@ -168,7 +172,11 @@ pub fn layered<S>(inner: S, policy: RetryPolicy) -> tonic_retry::RetryService<S>
 /// (c) with per-method policies: a table of 8 services and 32 methods, the
 /// request's `GetBook` having an entry of its own (the longest lookup: the
 /// method map hit; `/GetBook` at a service entry would look up twice).
-pub fn layered_per_method<S>(inner: S) -> tonic_retry::RetryService<S> {
+pub fn layered_per_method<S>(inner: S) -> tonic_retry::RetryService<S>
+where
+    S: Service<Request<Body>>,
+    S::Error: Into<BoxError>,
+{
     let mut table = tonic_retry::MethodPolicies::with_default(RetryPolicy::default());
     for s in 0..8 {
         let service = format!("bench.v{s}.Service");
