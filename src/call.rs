@@ -29,7 +29,7 @@ use crate::classify::{
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
 use crate::metrics::{Event, RetryMetrics};
 use crate::policy::RetryPolicy;
-use crate::replay::ReplayBody;
+use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
 use crate::status::{GRPC_RETRY_PUSHBACK, code_name, status_response};
 
@@ -114,9 +114,9 @@ struct Outcome<'a> {
     verdict: Verdict,
     /// The instance a failed attempt went to, if known.
     instance: Option<&'a HeaderValue>,
-    /// Whether the request body can still be sent again (asked only for a
-    /// retryable failure).
-    replayable: bool,
+    /// Whether the request body can still be sent again, or why not (asked
+    /// only for a retryable failure).
+    replay: Result<(), ReplayError>,
     /// Time left before the call's deadline, if it has one.
     remaining: Option<Duration>,
     /// A retry found no time left to be sent.
@@ -181,7 +181,7 @@ impl CallState {
         let Outcome {
             verdict,
             instance,
-            replayable,
+            replay,
             remaining,
             out_of_time,
             sent,
@@ -230,8 +230,8 @@ impl CallState {
         if self.made >= policy.max_attempts {
             return Decision::Done("no attempts left");
         }
-        if !replayable {
-            return Decision::Done("request body cannot be replayed");
+        if let Err(why) = replay {
+            return not_replayable(why, shared, policy);
         }
         let delay = match server_delay {
             Some(delay) if delay > policy.max_server_delay => {
@@ -345,6 +345,33 @@ impl CallState {
     }
 }
 
+/// A retry the request body cannot be sent again for. A body that outgrew a
+/// replay limit is counted and said at `WARN`, where the caller's logs show
+/// it: the failure the caller gets is one the layer would have retried.
+fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolicy) -> Decision {
+    match why {
+        ReplayError::Capped => {
+            shared.metrics.record(Event::BodyTooLarge);
+            tracing::warn!(
+                limit = policy.replay_limit,
+                "not retried: the request body outgrew the call's replay limit \
+                 (RetryPolicy::with_replay_limit)"
+            );
+            Decision::Done("request body outgrew the replay limit")
+        }
+        ReplayError::LayerFull => {
+            shared.metrics.record(Event::BodyTooLarge);
+            tracing::warn!(
+                layer_limit = shared.replay_memory.limit(),
+                "not retried: the layer's replay memory for calls in flight was full \
+                 (RetryLayer::with_replay_memory)"
+            );
+            Decision::Done("the layer's replay memory was full")
+        }
+        _ => Decision::Done("request body cannot be replayed"),
+    }
+}
+
 /// The message of the `UNAVAILABLE` a caller gets when the last attempt got
 /// no response at all.
 fn no_response_message(made: u32, error: &str) -> String {
@@ -405,6 +432,7 @@ where
             policies,
             budget,
             metrics,
+            ..
         } = shared;
         let policy = policies.get(self.policy);
         let state = &mut self.state;
@@ -488,7 +516,10 @@ where
             verdict,
             instance: failed_instance,
             // Asked only where a retry is in question: it takes the body's lock.
-            replayable: matches!(verdict, Verdict::Retryable { .. }) && req.body().is_replayable(),
+            replay: match verdict {
+                Verdict::Retryable { .. } => req.body().replay_state(),
+                _ => Ok(()),
+            },
             remaining,
             out_of_time,
             sent,

@@ -124,6 +124,38 @@ impl<Bu, B> RetryLayer<Bu, B> {
     pub fn metrics(&self) -> &RetryMetrics {
         &self.shared.metrics
     }
+
+    /// Bounds the bytes the replay copies of all calls in flight through this
+    /// layer (and its clones) may hold together; 16 MiB by default, grpc-java's
+    /// retry buffer size. Each call also has its own limit,
+    /// [`RetryPolicy::with_replay_limit`] (1 MiB by default).
+    ///
+    /// A call whose copy would pass it drops its copy: its body is still sent
+    /// whole and at once — no call waits for memory, none fails for it — but
+    /// the call is not retried, which [`RetryMetrics::body_too_large`] counts
+    /// and a `WARN` event says. Memory comes back as each call commits,
+    /// ends, or can no longer be retried.
+    ///
+    /// ```
+    /// use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+    ///
+    /// # fn main() -> Result<(), tonic_retry::ConfigError> {
+    /// let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?)
+    ///     .with_replay_memory(64 << 20);
+    /// assert_eq!(layer.replay_memory_in_use(), 0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn with_replay_memory(self, bytes: usize) -> Self {
+        self.shared.replay_memory.set_limit(bytes);
+        self
+    }
+
+    /// The bytes the replay copies of this layer's calls in flight hold now.
+    pub fn replay_memory_in_use(&self) -> usize {
+        self.shared.replay_memory.used()
+    }
 }
 
 impl<Bu, B> Clone for RetryLayer<Bu, B> {

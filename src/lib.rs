@@ -219,7 +219,9 @@ pub use marks::{
 };
 pub use methods::MethodPolicies;
 pub use metrics::RetryMetrics;
-pub use policy::{DEFAULT_MAX_SERVER_DELAY, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
+pub use policy::{
+    DEFAULT_MAX_SERVER_DELAY, DEFAULT_REPLAY_LIMIT, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes,
+};
 pub use replay::{ReplayBody, ReplayError};
 pub use service::RetryService;
 pub use throttle::RetryThrottle;

@@ -21,6 +21,7 @@ struct Counters {
     refused_by_deadline: AtomicU64,
     retried_below: AtomicU64,
     marked: AtomicU64,
+    body_too_large: AtomicU64,
 }
 
 /// What to count.
@@ -32,6 +33,7 @@ pub(crate) enum Event {
     RefusedByDeadline,
     RetriedBelow,
     Marked,
+    BodyTooLarge,
 }
 
 impl RetryMetrics {
@@ -44,6 +46,7 @@ impl RetryMetrics {
             Event::RefusedByDeadline => &c.refused_by_deadline,
             Event::RetriedBelow => &c.retried_below,
             Event::Marked => &c.marked,
+            Event::BodyTooLarge => &c.body_too_large,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -83,6 +86,17 @@ impl RetryMetrics {
     pub fn marked(&self) -> u64 {
         self.inner.marked.load(Ordering::Relaxed)
     }
+
+    /// Retryable failures not retried because the request body outgrew its
+    /// replay limit — the call's ([`RetryPolicy::with_replay_limit`]) or the
+    /// layer's for all calls in flight
+    /// ([`RetryLayer::with_replay_memory`](crate::RetryLayer::with_replay_memory)) —
+    /// so no copy was left to send again.
+    ///
+    /// [`RetryPolicy::with_replay_limit`]: crate::RetryPolicy::with_replay_limit
+    pub fn body_too_large(&self) -> u64 {
+        self.inner.body_too_large.load(Ordering::Relaxed)
+    }
 }
 
 impl fmt::Debug for RetryMetrics {
@@ -94,6 +108,7 @@ impl fmt::Debug for RetryMetrics {
             .field("refused_by_deadline", &self.refused_by_deadline())
             .field("retried_below", &self.retried_below())
             .field("marked", &self.marked())
+            .field("body_too_large", &self.body_too_large())
             .finish()
     }
 }

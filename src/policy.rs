@@ -16,6 +16,10 @@ pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
 /// [`RetryPolicy::with_max_server_delay`].
 pub const DEFAULT_MAX_SERVER_DELAY: Duration = Duration::from_secs(30);
 
+/// The most request body bytes a call keeps for replay by default (grpc-java's
+/// per-call limit); see [`RetryPolicy::with_replay_limit`].
+pub const DEFAULT_REPLAY_LIMIT: usize = 1 << 20;
+
 /// The set of status codes the layer may retry.
 ///
 /// The default is `UNAVAILABLE`, `DEADLINE_EXCEEDED` and `RESOURCE_EXHAUSTED`,
@@ -106,7 +110,7 @@ impl fmt::Debug for RetryableCodes {
 /// | per-attempt timeout | none |
 /// | minimum attempt budget | 20 ms |
 /// | longest server-given delay waited for | 30 s |
-/// | replay buffer limit | 64 KiB |
+/// | replay buffer limit, per call | 1 MiB (the layer's for all calls in flight: 16 MiB) |
 /// | retry at one layer (mark a give-up `grpc-retry-pushback-ms: -1`) | on |
 /// | idempotency key generation | on (`x-idempotency-key`) |
 /// | instance id response header | `x-instance-id` |
@@ -192,7 +196,7 @@ impl RetryPolicy {
             attempt_timeout: None,
             min_attempt_budget: Duration::from_millis(20),
             max_server_delay: DEFAULT_MAX_SERVER_DELAY,
-            replay_limit: 64 * 1024,
+            replay_limit: DEFAULT_REPLAY_LIMIT,
             idempotency_key: true,
             instance_header: Some(crate::marks::INSTANCE_ID),
             retry_at_one_layer: true,
@@ -312,8 +316,14 @@ impl RetryPolicy {
         self
     }
 
-    /// The most request body bytes kept for replay (default 64 KiB). A call
-    /// whose body outgrows it is sent whole but not retried.
+    /// The most request body bytes kept for replay (default 1 MiB,
+    /// grpc-java's per-call limit). A call whose body outgrows it is sent
+    /// whole but not retried; [`RetryMetrics::body_too_large`] counts such
+    /// calls and a `WARN` event names the limit. The layer also bounds all its
+    /// calls' copies together: see
+    /// [`RetryLayer::with_replay_memory`](crate::RetryLayer::with_replay_memory).
+    ///
+    /// [`RetryMetrics::body_too_large`]: crate::RetryMetrics::body_too_large
     #[must_use]
     pub fn with_replay_limit(mut self, bytes: usize) -> Self {
         self.replay_limit = bytes;
@@ -467,7 +477,7 @@ mod tests {
         assert_eq!(p.min_attempt_budget, 20 * MS);
         assert_eq!(p.max_server_delay, Duration::from_secs(30));
         assert!(p.retry_at_one_layer);
-        assert_eq!(p.replay_limit, 64 * 1024);
+        assert_eq!(p.replay_limit, 1 << 20);
         assert!(p.idempotency_key);
         assert_eq!(p.retryable, RetryableCodes::default());
     }

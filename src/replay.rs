@@ -11,6 +11,10 @@
 //! reading carries on and delivers the body whole, but the body can no longer be
 //! replayed, and the layer does not retry the call. A clone that would need
 //! dropped chunks fails with [`ReplayError`] rather than send a truncated body.
+//! The layer also bounds the copies of all its calls in flight together (16
+//! MiB by default, as grpc-java's retry buffer): a call whose copy would pass
+//! that drops its copy the same way — it is sent, never held back, and not
+//! retried.
 //!
 //! The copy also goes as soon as the call can no longer be retried — its
 //! response committed, the call decided, or its last attempt sent — and the
@@ -22,6 +26,7 @@
 
 use std::fmt;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
@@ -67,6 +72,12 @@ struct Shared<B> {
     bytes: usize,
     limit: usize,
     capped: bool,
+    /// Why the copy was dropped, once `capped`.
+    cap: Cap,
+    /// The memory the copies of every call in flight through one layer share,
+    /// and how much of it this copy holds.
+    memory: Option<Arc<ReplayMemory>>,
+    reserved: usize,
     /// The epoch of the clone sent last, and how far it has read.
     live: u32,
     live_pos: usize,
@@ -83,6 +94,63 @@ struct Shared<B> {
     /// The instance a balancer below reported for the current attempt
     /// (see [`PickedInstance`]): every attempt's request carries this state.
     picked: Option<HeaderValue>,
+}
+
+/// Which limit a body outgrew.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cap {
+    /// The call's own replay limit.
+    Call,
+    /// The layer's memory for the copies of all its calls in flight.
+    Layer,
+}
+
+/// The bytes the replay copies of one layer's calls in flight hold together,
+/// and the most they may: a copy that would pass it is dropped, as one that
+/// outgrows its call's limit.
+#[derive(Debug)]
+pub(crate) struct ReplayMemory {
+    used: AtomicUsize,
+    limit: AtomicUsize,
+}
+
+impl ReplayMemory {
+    /// grpc-java's retry buffer size.
+    pub(crate) const DEFAULT_LIMIT: usize = 16 << 20;
+
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            used: AtomicUsize::new(0),
+            limit: AtomicUsize::new(limit),
+        }
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_limit(&self, limit: usize) {
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    /// Bytes held now.
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Takes `bytes` if they fit; never waits.
+    fn try_reserve(&self, bytes: usize) -> bool {
+        let limit = self.limit();
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                used.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .is_ok()
+    }
+
+    fn release(&self, bytes: usize) {
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+    }
 }
 
 /// The kept chunks. Most gRPC requests are one chunk, which is kept inline;
@@ -133,6 +201,9 @@ impl Kept {
 pub enum ReplayError {
     /// The body outgrew the replay limit, so its copy was dropped.
     Capped,
+    /// The layer's memory for the copies of its calls in flight was full, so
+    /// this body's copy was dropped.
+    LayerFull,
     /// The caller's body failed while an earlier attempt was reading it.
     SourceFailed,
     /// The call could no longer be retried, so its copy was released.
@@ -145,6 +216,9 @@ impl fmt::Display for ReplayError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             ReplayError::Capped => "request body outgrew the replay limit and cannot be sent again",
+            ReplayError::LayerFull => {
+                "the layer's replay memory for calls in flight was full, so the request body cannot be sent again"
+            }
             ReplayError::SourceFailed => "request body failed on an earlier attempt",
             ReplayError::Released => {
                 "the call could no longer be retried, so its copy of the request body was released"
@@ -162,16 +236,28 @@ impl<B: Body> ReplayBody<B> {
     /// A body whose size hint already says it is larger than `limit` keeps no
     /// copy at all: it is sent once, as it is, and is never replayable.
     pub fn new(body: B, limit: usize) -> Self {
+        Self::sharing(body, limit, None)
+    }
+
+    /// Wraps `body` as [`new`](Self::new) does, its copy also counted in
+    /// `memory`, which the copies of other calls share.
+    pub(crate) fn sharing(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self {
         let capped = body.size_hint().lower() > limit as u64;
-        Self::with_state(body, limit, capped, false)
+        Self::with_state(body, limit, capped, false, memory)
     }
 
     /// Wraps `body` for a call that will never be retried: nothing is copied.
     pub(crate) fn unreplayable(body: B) -> Self {
-        Self::with_state(body, 0, false, true)
+        Self::with_state(body, 0, false, true, None)
     }
 
-    fn with_state(body: B, limit: usize, capped: bool, final_attempt: bool) -> Self {
+    fn with_state(
+        body: B,
+        limit: usize,
+        capped: bool,
+        final_attempt: bool,
+        memory: Option<Arc<ReplayMemory>>,
+    ) -> Self {
         ReplayBody {
             shared: Arc::new(Mutex::new(Shared {
                 source: Some(body),
@@ -180,6 +266,9 @@ impl<B: Body> ReplayBody<B> {
                 bytes: 0,
                 limit,
                 capped,
+                cap: Cap::Call,
+                memory,
+                reserved: 0,
                 live: 0,
                 live_pos: 0,
                 only: final_attempt.then_some(0),
@@ -209,8 +298,22 @@ impl<B> ReplayBody<B> {
     /// Whether a new clone could still send the whole body: the copy has not
     /// been dropped and the caller's body has not failed.
     pub fn is_replayable(&self) -> bool {
+        self.replay_state().is_ok()
+    }
+
+    /// Why a new clone could not send the whole body, if it could not.
+    pub(crate) fn replay_state(&self) -> Result<(), ReplayError> {
         let shared = self.lock();
-        !shared.capped && !shared.failed && shared.only.is_none()
+        if shared.capped {
+            return Err(shared.cap_error());
+        }
+        if shared.failed {
+            return Err(ReplayError::SourceFailed);
+        }
+        if shared.only.is_some() {
+            return Err(ReplayError::Released);
+        }
+        Ok(())
     }
 
     /// The call can no longer be retried: only the attempt sent last may read
@@ -314,7 +417,36 @@ impl<B> Shared<B> {
         if !self.released {
             self.released = true;
             self.chunks = Kept::default();
+            self.give_back();
         }
+    }
+
+    /// Gives the layer's memory back what this copy held.
+    fn give_back(&mut self) {
+        if let Some(memory) = &self.memory {
+            memory.release(std::mem::take(&mut self.reserved));
+        }
+    }
+
+    fn cap_error(&self) -> ReplayError {
+        match self.cap {
+            Cap::Call => ReplayError::Capped,
+            Cap::Layer => ReplayError::LayerFull,
+        }
+    }
+
+    /// Drops the copy: the body outgrew `cap`.
+    fn cap(&mut self, cap: Cap) {
+        tracing::debug!(
+            limit = self.limit,
+            layer_limit = self.memory.as_ref().map(|m| m.limit()),
+            ?cap,
+            "request body outgrew a replay limit; the call will not be retried"
+        );
+        self.capped = true;
+        self.cap = cap;
+        self.chunks = Kept::default();
+        self.give_back();
     }
 
     /// Notes that the clone sent as `epoch` has read up to `pos`.
@@ -336,15 +468,21 @@ impl<B> Shared<B> {
             return;
         }
         if self.bytes > self.limit {
-            tracing::debug!(
-                limit = self.limit,
-                "request body outgrew the replay limit; the call will not be retried"
-            );
-            self.capped = true;
-            self.chunks = Kept::default();
-        } else {
-            self.chunks.push(chunk.clone());
+            return self.cap(Cap::Call);
         }
+        if let Some(memory) = &self.memory {
+            if !memory.try_reserve(chunk.len()) {
+                return self.cap(Cap::Layer);
+            }
+            self.reserved += chunk.len();
+        }
+        self.chunks.push(chunk.clone());
+    }
+}
+
+impl<B> Drop for Shared<B> {
+    fn drop(&mut self) {
+        self.give_back();
     }
 }
 
@@ -376,7 +514,7 @@ where
         // Replay what an earlier attempt already read.
         if this.pos < shared.read {
             if shared.capped {
-                return Poll::Ready(Some(Err(ReplayError::Capped.into())));
+                return Poll::Ready(Some(Err(shared.cap_error().into())));
             }
             if shared.released {
                 return Poll::Ready(Some(Err(ReplayError::Released.into())));
@@ -829,5 +967,45 @@ mod tests {
         drop(tx);
         assert!(first.frame().await.is_none());
         assert!(first.is_complete());
+    }
+
+    #[test]
+    fn the_layers_memory_never_overflows_nor_passes_its_limit() {
+        let memory = ReplayMemory::new(10);
+        assert!(memory.try_reserve(10));
+        assert!(!memory.try_reserve(1), "full");
+        memory.release(4);
+        assert!(
+            !memory.try_reserve(usize::MAX),
+            "an overflowing reservation is refused"
+        );
+        assert!(memory.try_reserve(4));
+        assert_eq!(memory.used(), 10);
+        let unbounded = ReplayMemory::new(usize::MAX);
+        assert!(unbounded.try_reserve(usize::MAX));
+        assert!(!unbounded.try_reserve(1));
+    }
+
+    #[tokio::test]
+    async fn a_copy_the_layer_has_no_room_for_is_dropped_and_says_why() {
+        let memory = Arc::new(ReplayMemory::new(4));
+        let (tx, source) = tokio::sync::mpsc::unbounded_channel();
+        let source = http_body_util::StreamBody::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(source),
+        );
+        let first = ReplayBody::sharing(source, 64, Some(Arc::clone(&memory)));
+        let second = first.clone();
+        tx.send(data("abc")).unwrap();
+        tx.send(data("def")).unwrap();
+        drop(tx);
+        let sent = first.collect().await.unwrap().to_bytes();
+        assert_eq!(sent, "abcdef", "the first attempt gets the whole body");
+        assert_eq!(second.replay_state(), Err(ReplayError::LayerFull));
+        assert_eq!(memory.used(), 0, "what the copy held is given back");
+        let err = second.collect().await.unwrap_err();
+        assert_eq!(
+            err.downcast_ref::<ReplayError>(),
+            Some(&ReplayError::LayerFull)
+        );
     }
 }

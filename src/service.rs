@@ -258,7 +258,8 @@ where
         let tried = callers_mark(&mut parts, already_tried);
 
         let body = if policy.max_attempts > 1 {
-            ReplayBody::new(body, policy.replay_limit)
+            let memory = Arc::clone(&self.shared.replay_memory);
+            ReplayBody::sharing(body, policy.replay_limit, Some(memory))
         } else {
             ReplayBody::unreplayable(body)
         };

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
+use crate::replay::ReplayMemory;
 
 /// The policies, the budget and the counters of one layer: every service the
 /// layer makes, and every call through them, holds the same `Arc`.
@@ -11,6 +12,8 @@ pub(crate) struct Shared<Bu> {
     pub(crate) policies: MethodPolicies,
     pub(crate) budget: Bu,
     pub(crate) metrics: RetryMetrics,
+    /// What the replay copies of the calls in flight hold together.
+    pub(crate) replay_memory: Arc<ReplayMemory>,
 }
 
 impl<Bu> Shared<Bu> {
@@ -19,6 +22,7 @@ impl<Bu> Shared<Bu> {
             policies,
             budget,
             metrics: RetryMetrics::default(),
+            replay_memory: Arc::new(ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT)),
         })
     }
 }

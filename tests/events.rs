@@ -28,7 +28,8 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
                 self.0.push((field.name().to_owned(), value.to_owned()));
             }
         }
-        let mut fields = Visitor(Vec::new());
+        let level = event.metadata().level().to_string();
+        let mut fields = Visitor(vec![("level".to_owned(), level)]);
         event.record(&mut fields);
         self.0.lock().unwrap().push(fields.0);
     }
@@ -126,4 +127,49 @@ async fn the_event_says_when_a_layer_below_already_retried_and_when_this_one_mar
         Some("no attempts left")
     );
     assert_eq!(get(attempts[3], "marked").as_deref(), Some("true"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_too_large_to_retry_is_said_at_warn_with_its_limit() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let events = Events::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(events.clone()));
+
+    let policy = RetryPolicy::default().with_replay_limit(4);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    // `request()` carries a 10-byte message: over the 4-byte limit.
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    call.await.unwrap().unwrap();
+    assert_eq!(layer.metrics().body_too_large(), 1);
+
+    let events = events.0.lock().unwrap().clone();
+    let get = |fields: &Fields, key: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    let warnings: Vec<_> = events
+        .iter()
+        .filter(|fields| get(fields, "level").as_deref() == Some("WARN"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{events:?}");
+    assert_eq!(get(warnings[0], "limit").as_deref(), Some("4"));
+    let message = get(warnings[0], "message").unwrap();
+    assert!(
+        message.starts_with("not retried: the request body outgrew"),
+        "{message}"
+    );
+    // The attempt's own event names the reason too.
+    let attempt = events
+        .iter()
+        .find(|fields| get(fields, "attempt").is_some())
+        .unwrap();
+    assert_eq!(
+        get(attempt, "message").as_deref(),
+        Some("request body outgrew the replay limit")
+    );
 }
