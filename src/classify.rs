@@ -21,7 +21,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use prost::Message as _;
 use tonic::Code;
 
-use crate::policy::RetryableCodes;
+use crate::policy::{RetryWhen, RetryableCodes};
 use crate::status::{
     GRPC_MESSAGE, GRPC_RETRY_PUSHBACK, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads,
 };
@@ -115,27 +115,24 @@ pub(crate) fn classify_response(
 
 /// The verdict for an error `code`, given the metadata the server sent with it.
 fn retryable_verdict(code: Code, headers: &HeaderMap, retryable: RetryableCodes) -> Verdict {
-    if code == Code::Ok || !retryable.contains(code) {
-        return Verdict::Final(code);
-    }
+    let when = match retryable.when(code) {
+        Some(when) if code != Code::Ok => when,
+        _ => return Verdict::Final(code),
+    };
     let server_delay = match pushback(headers) {
         Pushback::Absent => None,
         Pushback::After(delay) => Some(delay),
         Pushback::Refused => return Verdict::RetriedBelow(code),
         Pushback::Stop => return Verdict::Final(code),
     };
-    let retry_info = match code {
-        Code::ResourceExhausted | Code::Unavailable | Code::DeadlineExceeded => retry_info(headers),
-        _ => RetryInfo::Absent,
-    };
-    let info_delay = match retry_info {
+    let info_delay = match retry_info(headers) {
         RetryInfo::Delay(delay) => Some(delay),
         // A delay nobody can read is no reason to retry, and no time to wait.
         RetryInfo::Malformed => return Verdict::Final(code),
-        // Without RetryInfo, RESOURCE_EXHAUSTED is a wall (queue full, memory
-        // guard), not a rate limit with a time to come back: retrying hits it
-        // again.
-        RetryInfo::Absent if code == Code::ResourceExhausted => return Verdict::Final(code),
+        // A code retried only with RetryInfo (by default RESOURCE_EXHAUSTED:
+        // without it a wall, a full queue or a memory guard, that a retry
+        // only hits again) is final without one.
+        RetryInfo::Absent if when == RetryWhen::WithRetryInfo => return Verdict::Final(code),
         RetryInfo::Absent => None,
     };
     Verdict::Retryable {
@@ -591,6 +588,73 @@ mod tests {
             },
             "RetryInfo without a delay: retry after the computed backoff"
         );
+    }
+
+    #[test]
+    fn a_code_listed_always_is_retried_without_retry_info_and_keeps_its_delay() {
+        // As A6's `retryableStatusCodes` (grpc-go, grpc-java, grpcio): a code
+        // in the set the user wrote is retried, RetryInfo or not.
+        let written = RetryableCodes::empty()
+            .with(Code::Unavailable)
+            .with(Code::ResourceExhausted);
+        let bare = trailers_only(8);
+        assert_eq!(
+            classify_response(StatusCode::OK, &bare, written),
+            Verdict::Retryable {
+                code: Code::ResourceExhausted,
+                server_delay: None,
+            }
+        );
+        // A RetryInfo delay is still the server's time to come back.
+        let with_delay = retry_info_header(Some(Duration::from_millis(250)));
+        let h = headers(&[
+            ("grpc-status", "8"),
+            ("grpc-status-details-bin", &with_delay),
+        ]);
+        assert_eq!(
+            classify_response(StatusCode::OK, &h, written),
+            Verdict::Retryable {
+                code: Code::ResourceExhausted,
+                server_delay: Some(Duration::from_millis(250)),
+            }
+        );
+        // And for any code the set retries, not only the default three.
+        let aborted = RetryableCodes::empty().with(Code::Aborted);
+        let h = headers(&[
+            ("grpc-status", "10"),
+            ("grpc-status-details-bin", &with_delay),
+        ]);
+        assert_eq!(
+            classify_response(StatusCode::OK, &h, aborted),
+            Verdict::Retryable {
+                code: Code::Aborted,
+                server_delay: Some(Duration::from_millis(250)),
+            }
+        );
+    }
+
+    #[test]
+    fn a_code_listed_with_retry_info_needs_it_whatever_the_code() {
+        let codes = RetryableCodes::empty().with_retry_info(Code::Unavailable);
+        assert_eq!(
+            classify_response(StatusCode::OK, &trailers_only(14), codes),
+            Verdict::Final(Code::Unavailable)
+        );
+        let info = retry_info_header(Some(Duration::from_millis(5)));
+        let h = headers(&[("grpc-status", "14"), ("grpc-status-details-bin", &info)]);
+        assert_eq!(
+            classify_response(StatusCode::OK, &h, codes),
+            Verdict::Retryable {
+                code: Code::Unavailable,
+                server_delay: Some(Duration::from_millis(5)),
+            }
+        );
+        // Switching the rule replaces it.
+        let always = codes.with(Code::Unavailable);
+        assert!(matches!(
+            classify_response(StatusCode::OK, &trailers_only(14), always),
+            Verdict::Retryable { .. }
+        ));
     }
 
     #[test]

@@ -220,7 +220,8 @@ pub use marks::{
 pub use methods::MethodPolicies;
 pub use metrics::RetryMetrics;
 pub use policy::{
-    DEFAULT_MAX_SERVER_DELAY, DEFAULT_REPLAY_LIMIT, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes,
+    DEFAULT_MAX_SERVER_DELAY, DEFAULT_REPLAY_LIMIT, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryWhen,
+    RetryableCodes,
 };
 pub use replay::{ReplayBody, ReplayError};
 pub use service::RetryService;

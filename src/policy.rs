@@ -20,46 +20,109 @@ pub const DEFAULT_MAX_SERVER_DELAY: Duration = Duration::from_secs(30);
 /// per-call limit); see [`RetryPolicy::with_replay_limit`].
 pub const DEFAULT_REPLAY_LIMIT: usize = 1 << 20;
 
-/// The set of status codes the layer may retry.
+/// The set of status codes the layer may retry, and for each the rule it
+/// follows ([`RetryWhen`]).
 ///
-/// The default is `UNAVAILABLE`, `DEADLINE_EXCEEDED` and `RESOURCE_EXHAUSTED`,
-/// each under its own condition (see the crate docs): `DEADLINE_EXCEEDED` only
-/// while the call's deadline has room, `RESOURCE_EXHAUSTED` only when the status
-/// carries `google.rpc.RetryInfo`.
+/// A code added with [`with`](Self::with) is retried whenever an attempt
+/// ends with it, as gRPC's A6 retries every code in `retryableStatusCodes`
+/// (and as a [service config](crate::service_config) reads its list). One
+/// added with [`with_retry_info`](Self::with_retry_info) is retried only when
+/// the status carries `google.rpc.RetryInfo`. Either way, a `RetryInfo`
+/// delay the server sent is waited for instead of the backoff, and
+/// `DEADLINE_EXCEEDED` is retried only while the call's deadline has room.
+///
+/// The default is `UNAVAILABLE` and `DEADLINE_EXCEEDED` always, and
+/// `RESOURCE_EXHAUSTED` only with `RetryInfo`: without it, a resource
+/// exhausted is a wall (a full queue, a memory guard) that a retry only hits
+/// again; with it, it is a rate limit with a time to come back.
 ///
 /// ```
 /// use tonic::Code;
-/// use tonic_retry::RetryableCodes;
+/// use tonic_retry::{RetryWhen, RetryableCodes};
 ///
 /// let codes = RetryableCodes::default().without(Code::DeadlineExceeded);
-/// assert!(codes.contains(Code::Unavailable));
-/// assert!(!codes.contains(Code::DeadlineExceeded));
-/// assert!(!codes.contains(Code::Aborted));
+/// assert_eq!(codes.when(Code::Unavailable), Some(RetryWhen::Always));
+/// assert_eq!(codes.when(Code::ResourceExhausted), Some(RetryWhen::WithRetryInfo));
+/// assert_eq!(codes.when(Code::DeadlineExceeded), None);
+///
+/// // A set written out retries each of its codes always, as A6 does.
+/// let written = RetryableCodes::empty().with(Code::Unavailable).with(Code::ResourceExhausted);
+/// assert_eq!(written.when(Code::ResourceExhausted), Some(RetryWhen::Always));
+/// assert_eq!(format!("{written:?}"), "{ResourceExhausted, Unavailable}");
+/// assert_eq!(
+///     format!("{:?}", RetryableCodes::default()),
+///     "{DeadlineExceeded, ResourceExhausted (with RetryInfo), Unavailable}"
+/// );
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct RetryableCodes(u32);
+pub struct RetryableCodes {
+    always: u32,
+    with_retry_info: u32,
+}
+
+/// When a code in a [`RetryableCodes`] set is retried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetryWhen {
+    /// Whenever an attempt ends with it (gRPC A6's `retryableStatusCodes`).
+    Always,
+    /// Only when the status carries `google.rpc.RetryInfo` (the default for
+    /// `RESOURCE_EXHAUSTED`).
+    WithRetryInfo,
+}
 
 impl RetryableCodes {
     /// No code at all: nothing is retried.
     pub const fn empty() -> Self {
-        Self(0)
+        Self {
+            always: 0,
+            with_retry_info: 0,
+        }
     }
 
-    /// Adds `code` to the set.
+    /// Adds `code`, retried whenever an attempt ends with it (replacing any
+    /// rule it had).
     #[must_use]
     pub const fn with(self, code: Code) -> Self {
-        Self(self.0 | Self::bit(code))
+        Self {
+            always: self.always | Self::bit(code),
+            with_retry_info: self.with_retry_info & !Self::bit(code),
+        }
+    }
+
+    /// Adds `code`, retried only when the status carries
+    /// `google.rpc.RetryInfo` (replacing any rule it had).
+    #[must_use]
+    pub const fn with_retry_info(self, code: Code) -> Self {
+        Self {
+            always: self.always & !Self::bit(code),
+            with_retry_info: self.with_retry_info | Self::bit(code),
+        }
     }
 
     /// Removes `code` from the set.
     #[must_use]
     pub const fn without(self, code: Code) -> Self {
-        Self(self.0 & !Self::bit(code))
+        Self {
+            always: self.always & !Self::bit(code),
+            with_retry_info: self.with_retry_info & !Self::bit(code),
+        }
     }
 
-    /// Whether `code` is in the set.
+    /// Whether `code` is in the set, under either rule.
     pub const fn contains(self, code: Code) -> bool {
-        self.0 & Self::bit(code) != 0
+        (self.always | self.with_retry_info) & Self::bit(code) != 0
+    }
+
+    /// The rule `code` is retried by, if it is in the set.
+    pub const fn when(self, code: Code) -> Option<RetryWhen> {
+        if self.always & Self::bit(code) != 0 {
+            Some(RetryWhen::Always)
+        } else if self.with_retry_info & Self::bit(code) != 0 {
+            Some(RetryWhen::WithRetryInfo)
+        } else {
+            None
+        }
     }
 
     const fn bit(code: Code) -> u32 {
@@ -73,10 +136,11 @@ impl Default for RetryableCodes {
         Self::empty()
             .with(Code::Unavailable)
             .with(Code::DeadlineExceeded)
-            .with(Code::ResourceExhausted)
+            .with_retry_info(Code::ResourceExhausted)
     }
 }
 
+/// Each code retried always, as a list of A6's `retryableStatusCodes` is.
 impl FromIterator<Code> for RetryableCodes {
     fn from_iter<I: IntoIterator<Item = Code>>(iter: I) -> Self {
         iter.into_iter().fold(Self::empty(), Self::with)
@@ -85,8 +149,21 @@ impl FromIterator<Code> for RetryableCodes {
 
 impl fmt::Debug for RetryableCodes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        struct Entry(Code, RetryWhen);
+        impl fmt::Debug for Entry {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self.1 {
+                    RetryWhen::WithRetryInfo => write!(f, "{:?} (with RetryInfo)", self.0),
+                    _ => write!(f, "{:?}", self.0),
+                }
+            }
+        }
         f.debug_set()
-            .entries((0..=16).map(Code::from_i32).filter(|c| self.contains(*c)))
+            .entries(
+                (0..=16)
+                    .map(Code::from_i32)
+                    .filter_map(|c| Some(Entry(c, self.when(c)?))),
+            )
             .finish()
     }
 }
@@ -137,6 +214,9 @@ pub struct RetryPolicy {
     pub(crate) max_delay: Duration,
     pub(crate) multiplier: f64,
     pub(crate) jitter: f64,
+    /// Draw each backoff from `[0, raw]` (A6's full jitter) instead of
+    /// `raw · (1 ± jitter)`.
+    pub(crate) full_jitter: bool,
     pub(crate) retryable: RetryableCodes,
     pub(crate) total_timeout: Option<Duration>,
     pub(crate) max_timeout: Option<Duration>,
@@ -190,6 +270,7 @@ impl RetryPolicy {
             max_delay,
             multiplier: 2.0,
             jitter,
+            full_jitter: false,
             retryable: RetryableCodes::default(),
             total_timeout: None,
             max_timeout: None,
@@ -232,6 +313,25 @@ impl RetryPolicy {
         }
         self.multiplier = multiplier;
         Ok(self)
+    }
+
+    /// Draws each backoff uniformly from `[0, raw]`, where
+    /// `raw = min(base_delay · multiplier^(k-1), max_delay)` — gRPC A6's
+    /// "full jitter", which grpc-java draws — instead of `raw · (1 ± jitter)`.
+    /// Policies read from a [service config](crate::service_config) back off
+    /// so; the builder's default keeps ±20 %.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tonic_retry::RetryPolicy;
+    ///
+    /// let policy = RetryPolicy::default().with_full_jitter();
+    /// assert!(policy.delay_before(1) <= Duration::from_millis(20));
+    /// ```
+    #[must_use]
+    pub fn with_full_jitter(mut self) -> Self {
+        self.full_jitter = true;
+        self
     }
 
     /// The longest a call may take: its deadline is the sooner of the
@@ -399,6 +499,12 @@ impl RetryPolicy {
         self.jitter
     }
 
+    /// Whether each backoff is drawn from `[0, raw]` (see
+    /// [`with_full_jitter`](Self::with_full_jitter)).
+    pub fn full_jitter(&self) -> bool {
+        self.full_jitter
+    }
+
     /// The codes that may be retried.
     pub fn retryable_codes(&self) -> RetryableCodes {
         self.retryable
@@ -419,7 +525,9 @@ impl RetryPolicy {
     ///
     /// The exponent is capped, so no index overflows; index 0 is treated as 1.
     pub fn delay_before(&self, retry: u32) -> Duration {
-        let factor = if self.jitter > 0.0 {
+        let factor = if self.full_jitter {
+            rand::rng().random_range(0.0..=1.0)
+        } else if self.jitter > 0.0 {
             1.0 + rand::rng().random_range(-self.jitter..=self.jitter)
         } else {
             1.0
@@ -598,11 +706,62 @@ mod tests {
             assert!(all.contains(Code::from_i32(n)));
             assert!(!RetryableCodes::empty().contains(Code::from_i32(n)));
         }
+        assert_eq!(all.when(Code::ResourceExhausted), Some(RetryWhen::Always));
         let d = RetryableCodes::default();
         assert_eq!(
             format!("{d:?}"),
+            "{DeadlineExceeded, ResourceExhausted (with RetryInfo), Unavailable}"
+        );
+        assert_eq!(d.when(Code::Unavailable), Some(RetryWhen::Always));
+        assert_eq!(d.when(Code::DeadlineExceeded), Some(RetryWhen::Always));
+        assert_eq!(
+            d.when(Code::ResourceExhausted),
+            Some(RetryWhen::WithRetryInfo)
+        );
+        assert_eq!(d.when(Code::Aborted), None);
+        // Each of `with` and `with_retry_info` replaces the other's rule.
+        let switched = d.with(Code::ResourceExhausted);
+        assert_eq!(
+            switched.when(Code::ResourceExhausted),
+            Some(RetryWhen::Always)
+        );
+        let back = switched.with_retry_info(Code::ResourceExhausted);
+        assert_eq!(back, d);
+        assert!(
+            !d.without(Code::ResourceExhausted)
+                .contains(Code::ResourceExhausted)
+        );
+        let policy = RetryPolicy::default().with_retryable_codes(switched);
+        assert_eq!(
+            format!("{:?}", policy.retryable_codes()),
             "{DeadlineExceeded, ResourceExhausted, Unavailable}"
         );
+    }
+
+    #[test]
+    fn full_jitter_draws_from_zero_to_the_raw_backoff() {
+        let p = RetryPolicy::new(5, 20 * MS, 100 * MS, 0.2)
+            .unwrap()
+            .with_full_jitter();
+        assert!(p.full_jitter());
+        for (retry, raw) in [(1, 20 * MS), (2, 40 * MS), (3, 80 * MS), (4, 100 * MS)] {
+            let draws: Vec<Duration> = (0..2000).map(|_| p.delay_before(retry)).collect();
+            assert!(
+                draws.iter().all(|d| *d <= raw),
+                "retry {retry}: none above {raw:?}"
+            );
+            // Spread over the whole range, not ±20 % around raw.
+            assert!(
+                draws.iter().any(|d| *d < raw / 4),
+                "retry {retry}: some below a quarter"
+            );
+            assert!(
+                draws.iter().any(|d| *d > raw * 3 / 4),
+                "retry {retry}: some above 3/4"
+            );
+        }
+        assert_eq!(p.jittered(3, 0.0), Duration::ZERO);
+        assert_eq!(p.jittered(3, 1.0), 80 * MS);
     }
 
     proptest! {

@@ -50,15 +50,30 @@
 //!   greater than 0; `retryableStatusCodes` a non-empty list of codes, each an
 //!   integer (`14`) or a name in any case (`"UNAVAILABLE"`, `"unavailable"`).
 //!   `perAttemptRecvTimeout`, where present, is the per-attempt timeout,
-//!   greater than 0 as C-core requires. The
-//!   jitter, and everything A6 does not set (replay limit, key, marks), come
-//!   from the base [`RetryPolicy`] given to [`ServiceConfig::policies`].
+//!   greater than 0 as C-core requires. Everything A6 does not set (replay
+//!   limit, key, marks) comes from the base [`RetryPolicy`] given to
+//!   [`ServiceConfig::policies`].
+//! * Every code in `retryableStatusCodes` is retried whenever an attempt ends
+//!   with it ([`RetryWhen::Always`](crate::RetryWhen::Always)), as A6,
+//!   grpc-go, grpc-java and grpcio retry it: `RESOURCE_EXHAUSTED` listed
+//!   there is retried with or without `google.rpc.RetryInfo` (whose delay,
+//!   when present, is waited for). The crate's own rule, "only with
+//!   RetryInfo", belongs to [`RetryableCodes::default`], not to a list a
+//!   config writes.
+//! * The backoff is A6's: retry *n* waits
+//!   `random(0, min(initialBackoff · backoffMultiplier^(n-1), maxBackoff))`
+//!   ([`RetryPolicy::with_full_jitter`]), not the builder's ±20 %.
 //! * `timeout`: the method's deadline; a call's deadline is the sooner of it
 //!   and the caller's.
 //! * `retryThrottling`: `maxTokens` in `(0, 1000]`, `tokenRatio` greater than
 //!   0 (three decimals kept), as a [`RetryThrottle`].
 //! * Durations are proto3 JSON strings: seconds with up to nine decimals and
 //!   an `s` (`"1s"`, `"0.1s"`, `".01s"`, `"1.5s"`), at most 315,576,000,000 s.
+//! * Keys are read whatever their (ASCII) case, as grpc-go's JSON decoding
+//!   reads them: grpc-go's own retry example writes `"MaxAttempts": 4,
+//!   "InitialBackoff": ".01s"`, and configs in the wild copy it. A key given
+//!   twice in two spellings (`"maxAttempts"` and `"MaxAttempts"`) is an
+//!   error naming both, where grpc-go would silently keep the later one.
 //!
 //! An invalid config is rejected whole (gRFC A21), with a
 //! [`ServiceConfigError`] naming the JSON path and the rule broken
@@ -66,10 +81,36 @@
 //! Unknown fields are ignored; `hedgingPolicy` is reported as unsupported
 //! rather than dropped.
 //!
-//! # Where grpc-go and grpc-java disagree
+//! # Fields read but not applied
+//!
+//! These are never dropped silently: loading a config that sets one emits a
+//! `WARN` event naming its path and what to use instead, and
+//! [`ServiceConfig::not_applied`] lists them.
+//!
+//! * `waitForReady`: a call does not wait for the channel to connect. A call
+//!   that finds no connection fails `UNAVAILABLE` (connection refused), which
+//!   the layer retries under the call's deadline and budget; to ride out a
+//!   longer outage give the method a longer `timeout` and more attempts, or
+//!   connect the channel (`Endpoint::connect`) before use.
+//! * `maxRequestMessageBytes`, `maxResponseMessageBytes`: set the generated
+//!   client's `max_encoding_message_size` / `max_decoding_message_size`.
+//! * `loadBalancingConfig`, `loadBalancingPolicy`, `healthCheckConfig`:
+//!   the channel's business (tonic's `Channel::balance_list`, or
+//!   [`PreferUntried`](crate::balance::PreferUntried) below the layer).
+//!
+//! # Where implementations differ
 //!
 //! This reader follows gRFC A6 and A21:
 //!
+//! * Backoff: A6's text and grpc-java (`RetriableStream`) draw
+//!   `random(0, x)`, as this reader's policies do. Current grpc-go draws
+//!   `x · random(0.8, 1.2)` (`stream.go`, `shouldRetry`), and C-core (grpcio)
+//!   a jitter of its own. The same JSON therefore spreads retries as
+//!   grpc-java does, not as grpc-go or grpcio.
+//! * `RetryInfo`: grpc-go, grpc-java and C-core do not read it; this layer
+//!   waits for its delay when a status carries one, and treats a status
+//!   whose `grpc-status-details-bin` holds an unreadable `RetryInfo` as not
+//!   retryable (a server's malformed answer never causes a retry).
 //! * Status names in any case: A6 allows `"unavailable"`; grpc-go accepts
 //!   only `"UNAVAILABLE"` and grpc-java only the exact enum name.
 //! * An invalid `retryPolicy` rejects the config: grpc-java rejects it,
@@ -102,7 +143,48 @@ pub struct ServiceConfig {
     services: Vec<(String, MethodConfig)>,
     methods: Vec<(String, String, MethodConfig)>,
     throttling: Option<(f64, f64)>,
+    /// Fields read but not applied: their JSON paths, and what to use instead.
+    not_applied: Vec<(String, &'static str)>,
 }
+
+/// Fields of a service config this layer reads but does not apply, and what
+/// to use instead. Each is said at load (a `WARN` event) and listed by
+/// [`ServiceConfig::not_applied`], never dropped silently.
+const METHOD_FIELDS_NOT_APPLIED: &[(&str, &str)] = &[
+    (
+        "waitForReady",
+        "calls do not wait for the channel to connect: a call that finds no connection fails \
+         UNAVAILABLE, which the layer retries under the call's deadline and budget; give such \
+         methods a longer deadline (`timeout`) and more attempts, or connect the channel \
+         (Endpoint::connect) before use",
+    ),
+    (
+        "maxRequestMessageBytes",
+        "set the generated client's max_encoding_message_size",
+    ),
+    (
+        "maxResponseMessageBytes",
+        "set the generated client's max_decoding_message_size",
+    ),
+];
+
+/// Top-level fields read but not applied, and what to use instead.
+const CONFIG_FIELDS_NOT_APPLIED: &[(&str, &str)] = &[
+    (
+        "loadBalancingConfig",
+        "balancing belongs to the channel: tonic's Channel::balance_list, or \
+         tonic_retry::balance::PreferUntried below the layer",
+    ),
+    (
+        "loadBalancingPolicy",
+        "balancing belongs to the channel: tonic's Channel::balance_list, or \
+         tonic_retry::balance::PreferUntried below the layer",
+    ),
+    (
+        "healthCheckConfig",
+        "health checking belongs to the channel; this layer does not do it",
+    ),
+];
 
 /// What one `methodConfig` entry says.
 #[derive(Clone, Debug, PartialEq)]
@@ -180,15 +262,17 @@ impl ServiceConfig {
             services: Vec::new(),
             methods: Vec::new(),
             throttling: None,
+            not_applied: Vec::new(),
         };
-        if let Some(list) = field(root, "methodConfig") {
+        config.note_not_applied(root, "", CONFIG_FIELDS_NOT_APPLIED)?;
+        if let Some(list) = field(root, "methodConfig", "")? {
             let entries = array(list, "methodConfig")?;
             let mut seen = std::collections::HashSet::new();
             for (i, entry) in entries.iter().enumerate() {
                 config.add(entry, &format!("methodConfig[{i}]"), &mut seen)?;
             }
         }
-        if let Some(throttling) = field(root, "retryThrottling") {
+        if let Some(throttling) = field(root, "retryThrottling", "")? {
             config.throttling = Some(throttling_of(throttling, "retryThrottling")?);
         }
         Ok(config)
@@ -202,7 +286,8 @@ impl ServiceConfig {
     ) -> Result<()> {
         let entry_map = object(entry, path)?;
         let method_config = method_config(entry_map, path)?;
-        let Some(names) = field(entry_map, "name") else {
+        self.note_not_applied(entry_map, path, METHOD_FIELDS_NOT_APPLIED)?;
+        let Some(names) = field(entry_map, "name", path)? else {
             return Ok(());
         };
         let names_path = format!("{path}.name");
@@ -239,6 +324,36 @@ impl ServiceConfig {
             }
         }
         Ok(())
+    }
+
+    /// Records, and says at `WARN`, each of `fields` the object at `path` sets.
+    fn note_not_applied(
+        &mut self,
+        map: &Map<String, Value>,
+        path: &str,
+        fields: &[(&str, &'static str)],
+    ) -> Result<()> {
+        for &(name, instead) in fields {
+            if field(map, name, path)?.is_some() {
+                let at = join(path, name);
+                tracing::warn!(
+                    field = %at,
+                    instead,
+                    "service config: {at} is not applied by tonic-retry"
+                );
+                self.not_applied.push((at, instead));
+            }
+        }
+        Ok(())
+    }
+
+    /// The fields this config sets that the layer does not apply, as JSON
+    /// paths (`methodConfig[0].waitForReady`) with what to use instead.
+    /// Each was also said at load, in a `WARN` event.
+    pub fn not_applied(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.not_applied
+            .iter()
+            .map(|(path, instead)| (path.as_str(), *instead))
     }
 
     /// The config's policies by method, built on `base`: each `retryPolicy`
@@ -297,6 +412,8 @@ impl MethodConfig {
                 policy.max_delay = retry.max_backoff;
                 policy.multiplier = retry.multiplier;
                 policy.retryable = retry.codes;
+                // A6's backoff: random(0, min(initial · multiplier^(n-1), max)).
+                policy.full_jitter = true;
                 if let Some(timeout) = retry.per_attempt {
                     policy.attempt_timeout = Some(timeout);
                 }
@@ -318,20 +435,20 @@ fn single_attempt(base: &RetryPolicy) -> RetryPolicy {
 }
 
 fn method_config(entry: &Map<String, Value>, path: &str) -> Result<MethodConfig> {
-    if field(entry, "hedgingPolicy").is_some() {
+    if field(entry, "hedgingPolicy", path)?.is_some() {
         return Err(ServiceConfigError::new(
             &format!("{path}.hedgingPolicy"),
             "hedging is not supported by this layer",
         ));
     }
-    let timeout = match field(entry, "timeout") {
+    let timeout = match field(entry, "timeout", path)? {
         Some(v) => {
             let path = format!("{path}.timeout");
             Some(duration(v, &path, false)?)
         }
         None => None,
     };
-    let retry = match field(entry, "retryPolicy") {
+    let retry = match field(entry, "retryPolicy", path)? {
         Some(v) => Some(retry_policy(v, &format!("{path}.retryPolicy"))?),
         None => None,
     };
@@ -341,7 +458,7 @@ fn method_config(entry: &Map<String, Value>, path: &str) -> Result<MethodConfig>
 fn retry_policy(value: &Value, path: &str) -> Result<Retry> {
     let map = object(value, path)?;
     let required = |name: &str| {
-        field(map, name)
+        field(map, name, path)?
             .ok_or_else(|| ServiceConfigError::new(&format!("{path}.{name}"), "is required"))
     };
 
@@ -387,7 +504,7 @@ fn retry_policy(value: &Value, path: &str) -> Result<Retry> {
         codes = codes.with(status_code(code, &format!("{codes_path}[{i}]"))?);
     }
 
-    let per_attempt = match field(map, "perAttemptRecvTimeout") {
+    let per_attempt = match field(map, "perAttemptRecvTimeout", path)? {
         Some(v) => Some(duration(
             v,
             &format!("{path}.perAttemptRecvTimeout"),
@@ -411,7 +528,8 @@ fn throttling_of(value: &Value, path: &str) -> Result<(f64, f64)> {
     let map = object(value, path)?;
     let get = |name: &str| {
         let at = format!("{path}.{name}");
-        let value = field(map, name).ok_or_else(|| ServiceConfigError::new(&at, "is required"))?;
+        let value =
+            field(map, name, path)?.ok_or_else(|| ServiceConfigError::new(&at, "is required"))?;
         Ok::<_, ServiceConfigError>((number(value, &at)?, at))
     };
     let (max, max_path) = get("maxTokens")?;
@@ -431,9 +549,34 @@ fn throttling_of(value: &Value, path: &str) -> Result<(f64, f64)> {
     Ok((max, ratio))
 }
 
-/// A field that is present and not `null` (protobuf JSON reads `null` as unset).
-fn field<'a>(map: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
-    map.get(name).filter(|v| !v.is_null())
+/// The field `name` of the object at `path`, if present and not `null`
+/// (protobuf JSON reads `null` as unset). Keys match whatever their ASCII
+/// case, as grpc-go's JSON decoding matches them (`"MaxAttempts"`); a key
+/// given twice in two spellings is an error naming both.
+fn field<'a>(map: &'a Map<String, Value>, name: &str, path: &str) -> Result<Option<&'a Value>> {
+    let mut found: Option<(&String, &Value)> = None;
+    for (key, value) in map {
+        if !key.eq_ignore_ascii_case(name) {
+            continue;
+        }
+        if let Some((first, _)) = found {
+            return Err(ServiceConfigError::new(
+                &join(path, name),
+                format!("given twice, as {first:?} and {key:?}"),
+            ));
+        }
+        found = Some((key, value));
+    }
+    Ok(found.map(|(_, v)| v).filter(|v| !v.is_null()))
+}
+
+/// The path of field `name` in the object at `path`.
+fn join(path: &str, name: &str) -> String {
+    if path.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{path}.{name}")
+    }
 }
 
 fn object<'a>(value: &'a Value, path: &str) -> Result<&'a Map<String, Value>> {
@@ -449,7 +592,7 @@ fn array<'a>(value: &'a Value, path: &str) -> Result<&'a Vec<Value>> {
 }
 
 fn string_or_empty(map: &Map<String, Value>, name: &str, path: &str) -> Result<String> {
-    match field(map, name) {
+    match field(map, name, path)? {
         None => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(other) => Err(ServiceConfigError::new(
@@ -899,15 +1042,128 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_ignored_and_json_errors_are_typed() {
-        parse(&method(
-            r#""waitForReady": true, "maxRequestMessageBytes": 1024, "somethingNew": {"x": [1]}"#,
-        ));
-        parse(
-            r#"{"healthCheckConfig": {"serviceName": "x"}, "loadBalancingConfig": [{"round_robin": {}}]}"#,
-        );
+        let config = parse(&method(r#""somethingNew": {"x": [1]}"#));
+        assert_eq!(config.not_applied().count(), 0);
         let e = reject(r#"{"methodConfig": [}"#);
         assert_eq!(e.path(), "");
         assert!(e.rule().starts_with("not valid JSON"), "{e}");
+    }
+
+    #[test]
+    fn fields_not_applied_are_listed_with_what_to_use_instead() {
+        let config = parse(&method(
+            r#""waitForReady": true, "maxRequestMessageBytes": 1024, "maxResponseMessageBytes": 9"#,
+        ));
+        let paths: Vec<&str> = config.not_applied().map(|(path, _)| path).collect();
+        assert_eq!(
+            paths,
+            [
+                "methodConfig[0].waitForReady",
+                "methodConfig[0].maxRequestMessageBytes",
+                "methodConfig[0].maxResponseMessageBytes",
+            ]
+        );
+        let (_, instead) = config.not_applied().next().unwrap();
+        assert!(instead.contains("UNAVAILABLE"), "{instead}");
+        let config = parse(
+            r#"{"healthCheckConfig": {"serviceName": "x"}, "loadBalancingConfig": [{"round_robin": {}}]}"#,
+        );
+        let paths: Vec<&str> = config.not_applied().map(|(path, _)| path).collect();
+        assert_eq!(paths, ["loadBalancingConfig", "healthCheckConfig"]);
+        // `false` or `null` asks for nothing the layer would not do anyway,
+        // but is said too: a config is read as written.
+        let config = parse(&method(r#""waitForReady": false"#));
+        assert_eq!(config.not_applied().count(), 1);
+        let config = parse(&method(r#""waitForReady": null"#));
+        assert_eq!(config.not_applied().count(), 0, "null is unset");
+    }
+
+    #[test]
+    fn keys_are_read_whatever_their_case_as_grpc_go_reads_them() {
+        // grpc-go's own retry example (examples/features/retry/client).
+        let config = parse(
+            r#"{
+              "methodConfig": [{
+                "name": [{"service": "grpc.examples.echo.Echo"}],
+                "waitForReady": true,
+                "retryPolicy": {
+                  "MaxAttempts": 4,
+                  "InitialBackoff": ".01s",
+                  "MaxBackoff": ".01s",
+                  "BackoffMultiplier": 1.0,
+                  "RetryableStatusCodes": [ "UNAVAILABLE" ]
+                }
+              }]
+            }"#,
+        );
+        let policy = config
+            .policies(&RetryPolicy::default())
+            .policy_for("/grpc.examples.echo.Echo/UnaryEcho")
+            .clone();
+        assert_eq!(policy.max_attempts(), 4);
+        assert_eq!(policy.base_delay(), 10 * MS);
+        assert_eq!(policy.max_delay(), 10 * MS);
+        assert_eq!(policy.backoff_multiplier(), 1.0);
+        assert!(policy.retryable_codes().contains(Code::Unavailable));
+        // Every field, at every level.
+        let config = parse(
+            r#"{"MethodConfig": [{"NAME": [{"Service": "foo", "METHOD": "Bar"}], "Timeout": "1s",
+                "RETRYPOLICY": {"maxattempts": 2, "initialbackoff": "1s", "maxbackoff": "1s",
+                "backoffmultiplier": 2, "retryablestatuscodes": [14]}}],
+                "RetryThrottling": {"MAXTOKENS": 10, "TOKENRATIO": 0.5}}"#,
+        );
+        let policy = config
+            .policies(&RetryPolicy::default())
+            .policy_for("/foo/Bar")
+            .clone();
+        assert_eq!(policy.max_attempts(), 2);
+        assert_eq!(policy.max_timeout(), Some(Duration::from_secs(1)));
+        assert_eq!(config.retry_throttle().available(), Some(10.0));
+    }
+
+    #[test]
+    fn a_key_given_twice_in_two_spellings_is_an_error_naming_both() {
+        let e = reject(&retry(
+            r#""maxAttempts": 2, "MaxAttempts": 4, "initialBackoff": "1s", "maxBackoff": "1s",
+               "backoffMultiplier": 2, "retryableStatusCodes": [14]"#,
+        ));
+        assert_eq!(e.path(), "methodConfig[0].retryPolicy.maxAttempts");
+        assert_eq!(
+            e.rule(),
+            r#"given twice, as "MaxAttempts" and "maxAttempts""#
+        );
+        let e = reject(r#"{"methodConfig": [], "methodconfig": []}"#);
+        assert_eq!(e.path(), "methodConfig");
+        assert!(e.rule().contains("\"methodconfig\""), "{e}");
+    }
+
+    #[test]
+    fn policies_read_from_a_config_back_off_with_a6s_full_jitter() {
+        let config = parse(&retry(
+            r#""maxAttempts": 5, "initialBackoff": "0.02s", "maxBackoff": "1s",
+               "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]"#,
+        ));
+        let policy = config
+            .policies(&RetryPolicy::default())
+            .policy_for("/foo/Bar")
+            .clone();
+        assert!(policy.full_jitter());
+        assert!(
+            !RetryPolicy::default().full_jitter(),
+            "the builder's default keeps ±20 %"
+        );
+        let draws: Vec<Duration> = (0..1000).map(|_| policy.delay_before(1)).collect();
+        assert!(draws.iter().all(|d| *d <= 20 * MS));
+        assert!(
+            draws.iter().any(|d| *d < 5 * MS),
+            "spread from 0, not 16–24 ms"
+        );
+        // A listed code is retried whatever else the status carries, as A6,
+        // grpc-go and grpc-java retry it.
+        assert_eq!(
+            policy.retryable_codes().when(Code::ResourceExhausted),
+            Some(crate::RetryWhen::Always)
+        );
     }
 
     #[test]
@@ -933,7 +1189,9 @@ mod tests {
         ));
         let base = RetryPolicy::new(3, 20 * MS, 500 * MS, 0.0).unwrap();
         let table = config.policies(&base);
-        assert_eq!(table.policy_for("/foo/Bar").delay_before(1), 5 * MS);
+        // The raw backoff is the max; A6's jitter draws from [0, it].
+        assert_eq!(table.policy_for("/foo/Bar").jittered(1, 1.0), 5 * MS);
+        assert!(table.policy_for("/foo/Bar").delay_before(1) <= 5 * MS);
     }
 
     #[test]

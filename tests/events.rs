@@ -173,3 +173,37 @@ async fn a_body_too_large_to_retry_is_said_at_warn_with_its_limit() {
         Some("request body outgrew the replay limit")
     );
 }
+
+#[test]
+fn a_service_config_field_the_layer_does_not_apply_is_said_at_load() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let events = Events::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(events.clone()));
+
+    let config: tonic_retry::service_config::ServiceConfig = r#"{"methodConfig": [{
+          "name": [{"service": "library.v1.Library"}], "waitForReady": true }]}"#
+        .parse()
+        .unwrap();
+    assert_eq!(config.not_applied().count(), 1);
+
+    let events = events.0.lock().unwrap().clone();
+    let get = |fields: &Fields, key: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(get(&events[0], "level").as_deref(), Some("WARN"));
+    assert_eq!(
+        get(&events[0], "field").as_deref(),
+        Some("methodConfig[0].waitForReady")
+    );
+    assert!(
+        get(&events[0], "instead")
+            .unwrap()
+            .contains("retries under the call's deadline"),
+        "{events:?}"
+    );
+}

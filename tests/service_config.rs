@@ -225,6 +225,119 @@ async fn one_channel_two_methods_two_policies() {
     );
 }
 
+/// A client through a layer built from `json` (its policies and throttle) to
+/// `server`.
+fn client_from(
+    json: &str,
+    server: &Instance,
+) -> (LibraryClient<ConfigLayered>, RetryLayer<RetryThrottle>) {
+    let config: ServiceConfig = json.parse().unwrap();
+    let layer = RetryLayer::with_budget(
+        config.policies(&RetryPolicy::default()),
+        config.retry_throttle(),
+    );
+    let client = LibraryClient::new(layer.layer(server.channel()));
+    (client, layer)
+}
+
+type ConfigLayered = tonic_retry::RetryService<tonic::transport::Channel, RetryThrottle>;
+
+/// The same JSON means the same retries to this layer as to grpc-go,
+/// grpc-java and grpcio: a code listed in `retryableStatusCodes` is retried,
+/// whether or not the status carries `RetryInfo`.
+#[tokio::test]
+async fn resource_exhausted_listed_in_a_config_is_retried_without_retry_info() {
+    let server = Instance::with_faults(
+        FaultLayer::new("a")
+            .unwrap()
+            .with(Rule::first(1, Fault::status(Code::ResourceExhausted))),
+    )
+    .await;
+    let (mut client, layer) = client_from(
+        r#"{"methodConfig": [{
+              "name": [{ "service": "library.v1.Library" }],
+              "retryPolicy": { "maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.1s",
+                               "backoffMultiplier": 2,
+                               "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"] } }]}"#,
+        &server,
+    );
+    let book = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.get_book(GetBookRequest { isbn: "7".into() }),
+    )
+    .await
+    .unwrap()
+    .expect("OK after one retry");
+    assert_eq!(book.into_inner().isbn, "7");
+    assert_eq!(server.faults.requests(), 2, "two attempts at the server");
+    assert_eq!(layer.metrics().retries(), 1);
+
+    // The builder's default set keeps the crate's rule: no RetryInfo, no retry.
+    let server = Instance::with_faults(
+        FaultLayer::new("b")
+            .unwrap()
+            .with(Rule::first(1, Fault::status(Code::ResourceExhausted))),
+    )
+    .await;
+    let mut client = LibraryClient::new(
+        RetryLayer::new(
+            RetryPolicy::default(),
+            tonic_retry::RetryBudget::new(10, 0.1).unwrap(),
+        )
+        .layer(server.channel()),
+    );
+    let status = client
+        .get_book(GetBookRequest { isbn: "7".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert_eq!(server.faults.requests(), 1);
+}
+
+/// grpc-go's own retry example writes its keys capitalised; grpc-go reads
+/// them whatever their case, and so does this layer.
+#[tokio::test]
+async fn grpc_gos_retry_example_config_works_as_written() {
+    let server = Instance::with_faults(
+        FaultLayer::new("a")
+            .unwrap()
+            .with(Rule::first(3, Fault::unavailable())),
+    )
+    .await;
+    let (mut client, layer) = client_from(
+        r#"{
+            "methodConfig": [{
+              "name": [{"service": "library.v1.Library"}],
+              "waitForReady": true,
+              "retryPolicy": {
+                  "MaxAttempts": 4,
+                  "InitialBackoff": ".01s",
+                  "MaxBackoff": ".01s",
+                  "BackoffMultiplier": 1.0,
+                  "RetryableStatusCodes": [ "UNAVAILABLE" ]
+              }
+            }]}"#,
+        &server,
+    );
+    let book = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.get_book(GetBookRequest { isbn: "9".into() }),
+    )
+    .await
+    .unwrap()
+    .expect("OK on the fourth attempt");
+    assert_eq!(book.into_inner().isbn, "9");
+    assert_eq!(server.faults.requests(), 4, "MaxAttempts 4, at the server");
+    assert_eq!(layer.metrics().retries(), 3);
+    let attempts: Vec<_> = server
+        .faults
+        .seen()
+        .iter()
+        .map(|s| s.previous_attempts)
+        .collect();
+    assert_eq!(attempts, [None, Some(1), Some(2), Some(3)]);
+}
+
 /// JSON values of every shape, nested up to `depth`.
 fn json_value(depth: u32) -> impl Strategy<Value = serde_json::Value> {
     use serde_json::Value;
