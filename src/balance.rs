@@ -69,7 +69,10 @@ struct Named {
 /// ready when at least one of them is (pending when none is, failing only when
 /// all have failed), so backpressure from the endpoints — a saturated
 /// concurrency limit, a full buffer — reaches the layers above, and
-/// `load_shed` above it sheds. A request goes to a ready endpoint that its mark
+/// `load_shed` above it sheds. `call` uses one readied endpoint and gives
+/// back what the others' readiness reserved, so a balancer between calls
+/// holds no endpoint's capacity: its clones, and anything else sharing the
+/// endpoints, see them as they are. A request goes to a ready endpoint that its mark
 /// does not name if there is one; otherwise to a ready endpoint it names
 /// rather than wait: having said it was ready, the balancer sends at once (so
 /// a retry the layer above paid for is really sent).
@@ -259,6 +262,16 @@ where
         let fresh = self.services[i].clone();
         let service = std::mem::replace(&mut self.services[i], fresh);
         self.ready[i] = false;
+        // NOTE: the other endpoints `poll_ready` readied give back what their
+        // readiness reserved (a concurrency permit, a buffer slot): dropping
+        // a readied handle releases it. Otherwise an idle balancer would hold
+        // a slot of every endpoint, and other clones — or anyone else sharing
+        // the endpoints — would wait for capacity nobody uses.
+        for (j, ready) in self.ready.iter_mut().enumerate() {
+            if std::mem::take(ready) {
+                self.services[j] = self.services[j].clone();
+            }
+        }
         ResponseFuture {
             inner: service.oneshot(req),
             instance: named.header.clone(),
@@ -463,6 +476,88 @@ mod tests {
             .await
             .unwrap_err();
         assert!(error.is::<tower::load_shed::error::Overloaded>(), "{error}");
+    }
+
+    type Limited = tower::limit::ConcurrencyLimit<mock::Mock<Request<Body>, Response<Body>>>;
+    type MockHandle = mock::Handle<Request<Body>, Response<Body>>;
+
+    /// Two endpoints that take one request at a time, and a handle on each
+    /// limit that shares it, to see what the balancer holds.
+    fn limited() -> (PreferUntried<Limited>, [Limited; 2], [MockHandle; 2]) {
+        let (a, handle_a) = mock::pair::<Request<Body>, Response<Body>>();
+        let (b, handle_b) = mock::pair::<Request<Body>, Response<Body>>();
+        let a = tower::limit::ConcurrencyLimit::new(a, 1);
+        let b = tower::limit::ConcurrencyLimit::new(b, 1);
+        let probes = [a.clone(), b.clone()];
+        let lb = PreferUntried::new([("a".to_owned(), a), ("b".to_owned(), b)]).unwrap();
+        (lb, probes, [handle_a, handle_b])
+    }
+
+    /// Which endpoint the next request arrives at, and its responder.
+    async fn arrival(handles: &mut [MockHandle; 2]) -> (usize, mock::SendResponse<Response<Body>>) {
+        let [a, b] = handles;
+        tokio::select! {
+            Some((_, send)) = a.next_request() => (0, send),
+            Some((_, send)) = b.next_request() => (1, send),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_holds_only_the_endpoint_it_uses() {
+        let (mut lb, mut probes, mut handles) = limited();
+        let mut clone = lb.clone();
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        assert!(matches!(lb.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+        let first = tokio::spawn(lb.call(req(&[])));
+        let (used, send_first) = arrival(&mut handles).await;
+        let free = 1 - used;
+
+        // The endpoint the call did not use is free for anyone sharing it.
+        assert!(
+            matches!(probes[free].poll_ready(&mut cx), Poll::Ready(Ok(()))),
+            "the balancer holds no permit of the endpoint it did not use"
+        );
+        drop(probes);
+        // A clone of the balancer is ready, and its call goes there.
+        assert!(matches!(clone.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+        let second = tokio::spawn(clone.call(req(&[])));
+        let (got, send_second) = arrival(&mut handles).await;
+        assert_eq!(got, free);
+        send_second.send_response(tonic::Status::new(Code::Ok, "").into_http());
+        send_first.send_response(tonic::Status::new(Code::Ok, "").into_http());
+        let names = ["a", "b"];
+        let second = second.await.unwrap().unwrap();
+        assert_eq!(second.headers()["x-instance-id"], names[free]);
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.headers()["x-instance-id"], names[used]);
+        // Between calls the balancer holds nothing: the one in use, ready again
+        // after its call, was given back too.
+        assert!(matches!(lb.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+        let third = tokio::spawn(lb.call(req(&[])));
+        let (_, send) = arrival(&mut handles).await;
+        send.send_response(tonic::Status::new(Code::Ok, "").into_http());
+        third.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_buffer_in_front_holds_no_endpoint_between_calls() {
+        let (lb, mut probes, mut handles) = limited();
+        let mut buffered = tower::buffer::Buffer::new(lb, 8);
+        let call = tokio::spawn(buffered.ready().await.unwrap().call(req(&[])));
+        let (used, send) = arrival(&mut handles).await;
+        send.send_response(tonic::Status::new(Code::Ok, "").into_http());
+        call.await.unwrap().unwrap();
+        // The buffer's worker readied both endpoints for that call; it used
+        // one and gave the other back, and the one used ended its call.
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        for (i, probe) in probes.iter_mut().enumerate() {
+            assert!(
+                matches!(probe.poll_ready(&mut cx), Poll::Ready(Ok(()))),
+                "endpoint {i} (used: {used}) is free between calls"
+            );
+        }
     }
 
     #[tokio::test]

@@ -67,8 +67,9 @@ impl RetryBudget {
     /// Creates a budget holding at most `max_tokens` tokens, earning
     /// `deposit_per_success` tokens per successful call.
     ///
-    /// `deposit_per_success` is kept to three decimals (as gRPC's
-    /// `retryThrottling.tokenRatio` is); it must be at least `0.001`.
+    /// `deposit_per_success` is kept to three decimals, further ones dropped
+    /// (as gRPC's `retryThrottling.tokenRatio` is: `0.0019` deposits
+    /// `0.001`); it must be at least `0.001`.
     ///
     /// # Errors
     ///
@@ -90,8 +91,9 @@ impl RetryBudget {
             ));
         }
         let max = u64::from(max_tokens) * MILLI;
-        // Rounded to thousandths; the range check above keeps it at least 1.
-        let deposit = (deposit_per_success * MILLI as f64).round() as u64;
+        // Further decimals dropped, as documented and as gRPC's `tokenRatio`
+        // (0.0019 deposits 0.001); the range check above keeps it at least 1.
+        let deposit = crate::throttle::thousandths(deposit_per_success);
         Ok(Self {
             inner: Arc::new(Account {
                 balance: AtomicU64::new(max / 2),
@@ -231,6 +233,23 @@ mod tests {
             6.0,
             "ten deposits of 0.1 make exactly one token"
         );
+    }
+
+    #[test]
+    fn deposits_keep_three_decimals_and_drop_the_rest() {
+        // (deposit_per_success, balance after one deposit from 5)
+        for (ratio, after) in [
+            (0.0019, 5.001),
+            (0.001, 5.001),
+            (0.1, 5.1),
+            (0.5466, 5.546),
+            (1.001, 6.001),
+            (0.9999, 5.999),
+        ] {
+            let budget = RetryBudget::new(10, ratio).unwrap();
+            budget.deposit();
+            assert_eq!(budget.available(), after, "deposit_per_success {ratio}");
+        }
     }
 
     #[test]

@@ -144,7 +144,7 @@ impl RetryThrottle {
 /// product within a few units in the last place of a whole number is that
 /// number; any other is truncated (0.5466 is 546). `value` is positive and at
 /// most 10¹², so the product fits.
-fn thousandths(value: f64) -> u64 {
+pub(crate) fn thousandths(value: f64) -> u64 {
     let scaled = value * MILLI as f64;
     let nearest = scaled.round();
     // A few units in the last place: the parse's and the product's rounding.
