@@ -36,8 +36,9 @@
 //!   [`PickedInstance`] request extension, so attempts that got no response
 //!   name theirs too.
 //! * **A replayable body** ([`ReplayBody`]): the first attempt streams as the
-//!   caller writes, while a zero-copy copy is kept (64 KiB by default) for
-//!   retries. A bigger body is sent whole and not retried; streaming calls
+//!   caller writes, while a zero-copy copy is kept (1 MiB by default, and 16
+//!   MiB across the layer's calls in flight) for retries. A bigger body is
+//!   sent whole and not retried; streaming calls
 //!   never wait for their body to end, and the copy is released as soon as no
 //!   retry is possible.
 //!
@@ -48,7 +49,7 @@
 //! | `UNAVAILABLE` | yes |
 //! | no response at all (connection refused or reset, stream refused) | yes, as `UNAVAILABLE` |
 //! | `DEADLINE_EXCEEDED`, or the attempt's time ran out (the layer's cut, the Channel's `grpc-timeout`, a server's `CANCELLED` for it) | while the call's deadline has room |
-//! | `RESOURCE_EXHAUSTED` | only with `google.rpc.RetryInfo`, after its `retry_delay` |
+//! | `RESOURCE_EXHAUSTED` | only with `google.rpc.RetryInfo`, after its `retry_delay` (a set you write retries it always, as A6 does: [`RetryWhen`]) |
 //! | `ABORTED` | never: a conflict the caller must re-read and resolve |
 //! | `NOT_FOUND`, `INVALID_ARGUMENT`, `PERMISSION_DENIED`, `UNAUTHENTICATED`, `UNIMPLEMENTED`, `INTERNAL`, any other code, `OK` | never |
 //! | a response that started normally (headers without `grpc-status`) | never: it is committed and handed over untouched |
@@ -89,21 +90,37 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use tonic::transport::Endpoint;
+//! use tonic_health::pb::health_client::HealthClient;
 //! use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
 //! use tower::ServiceBuilder;
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let channel = Endpoint::from_static("http://[::1]:50051").connect_lazy();
+//! // Calls without a deadline of their own get 5 s, all attempts included.
+//! let policy = RetryPolicy::default().with_total_timeout(Duration::from_secs(5));
 //! let svc = ServiceBuilder::new()
-//!     .timeout(Duration::from_secs(5))
 //!     .concurrency_limit(64)
-//!     .layer(RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?))
+//!     .layer(RetryLayer::new(policy, RetryBudget::new(200, 0.1)?))
 //!     .service(channel);
-//! // let mut client = LibraryClient::new(svc);
-//! # let _ = svc;
+//! let client = HealthClient::new(svc); // any generated client
+//! # let _ = client;
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Where each timeout belongs
+//!
+//! * **The call's deadline**: `tonic::Request::set_timeout` (sent as
+//!   `grpc-timeout`), else [`RetryPolicy::with_total_timeout`]; a method's
+//!   limit ([`RetryPolicy::with_max_timeout`], a service config's `timeout`)
+//!   caps either. It bounds every attempt, wait and streamed body of the call.
+//!   A long-lived stream (a watch) is cut at it too: give such methods a
+//!   policy without a total timeout ([`MethodPolicies`]).
+//! * **One attempt**: [`RetryPolicy::with_attempt_timeout`], or a tower
+//!   `Timeout` *below* the layer.
+//! * A tower `timeout` *above* the layer is neither: the layer never learns
+//!   it, and when it fires it drops the call, retries and all; a tonic client
+//!   reports `UNKNOWN: request timed out`.
 //!
 //! The same layer around an in-memory service, which fails once:
 //!
@@ -176,9 +193,11 @@
 //! # Observability
 //!
 //! Every finished attempt emits a `tracing` event at `DEBUG` level (attempt
-//! number, code, delay, time remaining, tokens left). [`RetryLayer::metrics`]
-//! counts attempts, retries, and retries refused by the budget or the
-//! deadline; [`RetryBudget::available`] is the budget gauge.
+//! number, code, delay, time remaining, tokens left); a retry refused because
+//! the request body outgrew a replay limit is said at `WARN` too.
+//! [`RetryLayer::metrics`] counts attempts, retries, retries refused by the
+//! budget or the deadline, and failures not retried because the body was too
+//! large to replay; [`RetryBudget::available`] is the budget gauge.
 //!
 //! [tower]: https://docs.rs/tower
 //! [tonic]: https://docs.rs/tonic
@@ -226,3 +245,9 @@ pub use policy::{
 pub use replay::{ReplayBody, ReplayError};
 pub use service::RetryService;
 pub use throttle::RetryThrottle;
+
+// The README's snippets compile (and run, where they need no server) as doc
+// tests, so what a newcomer pastes works.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -353,3 +353,33 @@ async fn inside_a_full_stack() {
     let server = self::server().await;
     spawn_client!(server, stack(server.channel()));
 }
+
+/// Where a timeout goes decides what it is: a tower `timeout` above the layer
+/// is not the call's deadline (the layer never learns it, and the caller
+/// gets tonic's `UNKNOWN`), while `Request::set_timeout` is, attempts and
+/// retries included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tower_timeout_above_the_layer_is_not_the_calls_deadline() {
+    let slow = || {
+        FaultLayer::new("slow")
+            .unwrap()
+            .with(Rule::always(Fault::slow(Duration::from_millis(500))))
+    };
+    let server = Instance::start(Shelf::default(), slow()).await;
+    let svc = ServiceBuilder::new()
+        .timeout(Duration::from_millis(100))
+        .layer(layer())
+        .service(server.channel());
+    let status = bounded(LibraryClient::new(svc).get_book(GetBookRequest { isbn: "1".into() }))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unknown);
+    assert!(status.message().contains("request timed out"), "{status:?}");
+
+    let server = Instance::start(Shelf::default(), slow()).await;
+    let mut client = LibraryClient::new(layer().layer(server.channel()));
+    let mut request = tonic::Request::new(GetBookRequest { isbn: "1".into() });
+    request.set_timeout(Duration::from_millis(100));
+    let status = bounded(client.get_book(request)).await.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+}
