@@ -56,6 +56,9 @@ pub struct ReplayBody<B> {
     /// Whether this clone goes out as a retry: an earlier attempt of the
     /// call was sent, so this one is paid for.
     retry: bool,
+    /// Whether the caller's body ever answered this clone `Pending`: only
+    /// then can its waker be the one the body will wake.
+    waited: bool,
 }
 
 /// The epoch of a clone that was never sent.
@@ -140,12 +143,21 @@ impl ReplayMemory {
 
     /// Takes `bytes` if they fit; never waits.
     fn try_reserve(&self, bytes: usize) -> bool {
-        let limit = self.limit();
-        self.used
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
-                used.checked_add(bytes).filter(|&total| total <= limit)
-            })
-            .is_ok()
+        // NOTE: one read-modify-write, undone when it overshoots: a
+        // compare-and-swap loop would cost more on every call. Two calls
+        // racing at the limit may both be refused where one would fit: a
+        // refused call is only not retried, so erring that way is safe.
+        if bytes > self.limit() {
+            return false;
+        }
+        let before = self.used.fetch_add(bytes, Ordering::Relaxed);
+        match before.checked_add(bytes) {
+            Some(total) if total <= self.limit() => true,
+            _ => {
+                self.used.fetch_sub(bytes, Ordering::Relaxed);
+                false
+            }
+        }
     }
 
     fn release(&self, bytes: usize) {
@@ -284,6 +296,7 @@ impl<B: Body> ReplayBody<B> {
             epoch: 0,
             last: false,
             retry: false,
+            waited: false,
         }
     }
 }
@@ -423,7 +436,9 @@ impl<B> Shared<B> {
 
     /// Gives the layer's memory back what this copy held.
     fn give_back(&mut self) {
-        if let Some(memory) = &self.memory {
+        if self.reserved > 0
+            && let Some(memory) = &self.memory
+        {
             memory.release(std::mem::take(&mut self.reserved));
         }
     }
@@ -546,6 +561,7 @@ where
         let out = match polled {
             Poll::Pending => {
                 shared.wait(cx);
+                this.waited = true;
                 return Poll::Pending;
             }
             Poll::Ready(None) => {
@@ -626,6 +642,7 @@ impl<B> Clone for ReplayBody<B> {
             epoch: UNSENT,
             last: false,
             retry: false,
+            waited: false,
         }
     }
 }
@@ -633,9 +650,13 @@ impl<B> Clone for ReplayBody<B> {
 impl<B> Drop for ReplayBody<B> {
     fn drop(&mut self) {
         // If this clone was the one the source would wake, whoever waits must
-        // poll the source themselves now.
-        let mut shared = self.lock();
-        shared.wake_waiting();
+        // poll the source themselves now. A clone the source never answered
+        // `Pending` holds no waker of the source's: nothing to hand over, and
+        // no lock to take (the common case: a unary body, read at once).
+        if self.waited {
+            let mut shared = self.lock();
+            shared.wake_waiting();
+        }
     }
 }
 
