@@ -35,7 +35,7 @@ use crate::classify::{is_timeout, status_in};
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_at};
 use crate::metrics::Event;
 use crate::policy::RetryPolicy;
-use crate::replay::ReplayBody;
+use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
 use crate::status::GRPC_STATUS;
 
@@ -106,6 +106,9 @@ pub(crate) enum Failure {
     NotReady(BoxError),
     /// No token was left when the retry was to be sent.
     NoBudget,
+    /// The request body could no longer be sent whole when the attempt was
+    /// to be sent (its copy outgrew a replay limit while it waited).
+    Unreplayable(ReplayError),
 }
 
 /// Sends each attempt of one call to the inner service.
@@ -427,6 +430,10 @@ fn send<B, Bu: Budget>(
             .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
     }
     if let Some(shared) = retry {
+        // The copy may have been dropped since the retry was decided: the
+        // attempt before it read on and outgrew a replay limit. A body that
+        // cannot be sent whole is not sent, nor paid for.
+        req.body().whole().map_err(Failure::Unreplayable)?;
         if req.body().is_retry() {
             if !shared.budget.withdraw() {
                 return Err(Failure::NoBudget);

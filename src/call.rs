@@ -231,7 +231,7 @@ impl CallState {
             return Decision::Done("no attempts left");
         }
         if let Err(why) = replay {
-            return not_replayable(why, shared, policy);
+            return Decision::Done(not_replayable(why, shared, policy));
         }
         let delay = match server_delay {
             Some(delay) if delay > policy.max_server_delay => {
@@ -286,7 +286,12 @@ impl CallState {
                 message: why.message(),
             },
             // Nothing new was learned: the last attempt sent still stands.
-            Err(Failure::Cut { sent: false, .. } | Failure::NotReady(_) | Failure::NoBudget) => {
+            Err(
+                Failure::Cut { sent: false, .. }
+                | Failure::NotReady(_)
+                | Failure::NoBudget
+                | Failure::Unreplayable(_),
+            ) => {
                 return;
             }
         };
@@ -345,10 +350,11 @@ impl CallState {
     }
 }
 
-/// A retry the request body cannot be sent again for. A body that outgrew a
-/// replay limit is counted and said at `WARN`, where the caller's logs show
-/// it: the failure the caller gets is one the layer would have retried.
-fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolicy) -> Decision {
+/// Why a retry the request body cannot be sent again for is not made. A body
+/// that outgrew a replay limit is counted and said at `WARN`, where the
+/// caller's logs show it: the failure the caller gets is one the layer would
+/// have retried.
+fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolicy) -> &'static str {
     match why {
         ReplayError::Capped => {
             shared.metrics.record(Event::BodyTooLarge);
@@ -357,7 +363,7 @@ fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolic
                 "not retried: the request body outgrew the call's replay limit \
                  (RetryPolicy::with_replay_limit)"
             );
-            Decision::Done("request body outgrew the replay limit")
+            "request body outgrew the replay limit"
         }
         ReplayError::LayerFull => {
             shared.metrics.record(Event::BodyTooLarge);
@@ -366,9 +372,9 @@ fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolic
                 "not retried: the layer's replay memory for calls in flight was full \
                  (RetryLayer::with_replay_memory)"
             );
-            Decision::Done("the layer's replay memory was full")
+            "the layer's replay memory was full"
         }
-        _ => Decision::Done("request body cannot be replayed"),
+        _ => "request body cannot be replayed",
     }
 }
 
@@ -476,6 +482,18 @@ where
                 });
                 return end_call(req, result, policy.retry_at_one_layer, metrics);
             }
+            Err(Failure::Unreplayable(why)) => {
+                let reason = not_replayable(*why, shared, policy);
+                tracing::debug!(
+                    attempt = state.made,
+                    key = key(req),
+                    "{reason}; ending with the last status"
+                );
+                *result = Ok(state.last_status(reason));
+                // Not retried after all: marked only if an earlier retry was sent.
+                let marked = policy.retry_at_one_layer && state.sent > 1;
+                return end_call(req, result, marked, metrics);
+            }
             _ => {}
         }
 
@@ -517,7 +535,7 @@ where
             instance: failed_instance,
             // Asked only where a retry is in question: it takes the body's lock.
             replay: match verdict {
-                Verdict::Retryable { .. } => req.body().replay_state(),
+                Verdict::Retryable { .. } => req.body().whole(),
                 _ => Ok(()),
             },
             remaining,
@@ -686,6 +704,7 @@ pub(crate) fn failure_response<RB>(failure: &Failure, attempt: u32) -> Response<
         // The caller cancelled nothing: a limit ran out.
         Failure::Cut { why, .. } => status_response(Code::DeadlineExceeded, why.message()),
         Failure::NoBudget => status_response(Code::ResourceExhausted, "retry budget exhausted"),
+        Failure::Unreplayable(why) => status_response(Code::Unavailable, why.to_string()),
     }
 }
 

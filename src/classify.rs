@@ -154,15 +154,15 @@ pub(crate) fn classify_timeout(retryable: RetryableCodes) -> Verdict {
     without_metadata(Code::DeadlineExceeded, retryable)
 }
 
-/// The verdict for `code` when no server sent it, so no metadata can change it.
+/// The verdict for `code` when no server sent it, so no metadata can change
+/// it: a code retried only with `RetryInfo` has none here.
 fn without_metadata(code: Code, retryable: RetryableCodes) -> Verdict {
-    if retryable.contains(code) {
-        Verdict::Retryable {
+    match retryable.when(code) {
+        Some(RetryWhen::Always) => Verdict::Retryable {
             code,
             server_delay: None,
-        }
-    } else {
-        Verdict::Final(code)
+        },
+        _ => Verdict::Final(code),
     }
 }
 
@@ -649,8 +649,16 @@ mod tests {
                 server_delay: Some(Duration::from_millis(5)),
             }
         );
+        // A failure with no status at all carries no RetryInfo either.
+        assert_eq!(classify_error(codes), Verdict::Final(Code::Unavailable));
+        let timeouts = RetryableCodes::empty().with_retry_info(Code::DeadlineExceeded);
+        assert_eq!(
+            classify_timeout(timeouts),
+            Verdict::Final(Code::DeadlineExceeded)
+        );
         // Switching the rule replaces it.
         let always = codes.with(Code::Unavailable);
+        assert!(matches!(classify_error(always), Verdict::Retryable { .. }));
         assert!(matches!(
             classify_response(StatusCode::OK, &trailers_only(14), always),
             Verdict::Retryable { .. }

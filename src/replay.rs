@@ -314,19 +314,19 @@ impl<B> ReplayBody<B> {
         self.replay_state().is_ok()
     }
 
+    /// Why a new clone could not send the whole body, if it could not. A
+    /// body nothing has been read from yet can always be sent whole.
+    pub(crate) fn whole(&self) -> Result<(), ReplayError> {
+        let shared = self.lock();
+        if shared.read == 0 && !shared.failed && shared.only.is_none() {
+            return Ok(());
+        }
+        shared.replay_state()
+    }
+
     /// Why a new clone could not send the whole body, if it could not.
     pub(crate) fn replay_state(&self) -> Result<(), ReplayError> {
-        let shared = self.lock();
-        if shared.capped {
-            return Err(shared.cap_error());
-        }
-        if shared.failed {
-            return Err(ReplayError::SourceFailed);
-        }
-        if shared.only.is_some() {
-            return Err(ReplayError::Released);
-        }
-        Ok(())
+        self.lock().replay_state()
     }
 
     /// The call can no longer be retried: only the attempt sent last may read
@@ -405,6 +405,19 @@ impl<B: Send> PickSlot for Mutex<Shared<B>> {
 }
 
 impl<B> Shared<B> {
+    fn replay_state(&self) -> Result<(), ReplayError> {
+        if self.capped {
+            return Err(self.cap_error());
+        }
+        if self.failed {
+            return Err(ReplayError::SourceFailed);
+        }
+        if self.only.is_some() {
+            return Err(ReplayError::Released);
+        }
+        Ok(())
+    }
+
     fn wake_waiting(&mut self) {
         for waker in self.waiting.drain(..) {
             waker.wake();

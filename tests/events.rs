@@ -138,9 +138,13 @@ async fn a_body_too_large_to_retry_is_said_at_warn_with_its_limit() {
 
     let policy = RetryPolicy::default().with_replay_limit(4);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    // `request()` carries a 10-byte message: over the 4-byte limit.
+    // `request()` carries a 10-byte message: over the 4-byte limit. The
+    // attempt reads it, so no copy is left to send again.
     let call = spawn_call(&mut svc, request()).await;
-    let (_, send, _) = next(&mut handle).await;
+    let (req, send, _) = next(&mut handle).await;
+    http_body_util::BodyExt::collect(req.into_body())
+        .await
+        .unwrap();
     send.send_response(status(Code::Unavailable));
     call.await.unwrap().unwrap();
     assert_eq!(layer.metrics().body_too_large(), 1);

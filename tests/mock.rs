@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{AlreadyTried, RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{AlreadyTried, RetryBudget, RetryLayer, RetryPolicy, RetryWhen, RetryableCodes};
 use tonic_types::{ErrorDetails, StatusExt};
 use tower::{BoxError, Layer, Service, ServiceExt};
 
@@ -722,5 +722,48 @@ async fn a_call_whose_deadline_already_passed_sends_nothing() {
     assert!(
         handle.next_request().now_or_never().is_none(),
         "an attempt was sent with no time left"
+    );
+}
+
+/// A code retried only with `RetryInfo` is not retried when an attempt ends
+/// with no status at all (a transport error reads as UNAVAILABLE, a timeout as
+/// DEADLINE_EXCEEDED): there is no RetryInfo to be had.
+#[tokio::test(start_paused = true)]
+async fn failures_without_a_status_follow_the_with_retry_info_rule() {
+    let codes = RetryableCodes::empty().with_retry_info(Code::Unavailable);
+    assert_eq!(
+        codes.when(Code::Unavailable),
+        Some(RetryWhen::WithRetryInfo)
+    );
+    let policy = RetryPolicy::default().with_retryable_codes(codes);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_error("connection refused");
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(
+        layer.metrics().retries(),
+        0,
+        "a transport error: not retried"
+    );
+
+    let codes = RetryableCodes::empty().with_retry_info(Code::DeadlineExceeded);
+    let policy = RetryPolicy::default()
+        .with_retryable_codes(codes)
+        .with_attempt_timeout(Duration::from_millis(100));
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (_, _never_answered, _) = next(&mut handle).await;
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(
+        layer.metrics().retries(),
+        0,
+        "an attempt timeout: not retried"
+    );
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "no second attempt"
     );
 }

@@ -131,7 +131,11 @@ async fn failures_this_layer_did_not_retry_are_not_marked() {
         b"far more than four bytes",
     )));
     let call = spawn_call(&mut svc, req).await;
-    let (_, send, _) = next(&mut handle).await;
+    // The attempt reads the body, so no copy is left to send again.
+    let (req, send, _) = next(&mut handle).await;
+    http_body_util::BodyExt::collect(req.into_body())
+        .await
+        .unwrap();
     send.send_response(status(Code::Unavailable));
     let response = call.await.unwrap().unwrap();
     assert_eq!(mark_of(&response), None, "a body that cannot be replayed");

@@ -5,6 +5,8 @@
 
 mod support;
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::Request;
 use http_body_util::BodyExt;
@@ -202,4 +204,76 @@ async fn many_calls_in_flight_hold_no_more_than_the_layers_limit() {
     assert_eq!(ok_calls, 10);
     assert_eq!(layer.metrics().body_too_large(), 90);
     assert_eq!(layer.replay_memory_in_use(), 0);
+}
+
+/// The retry is decided, then the attempt before it reads on during the
+/// backoff (an HTTP/2 stream still pulls the body after an early answer) and
+/// its copy outgrows `limit`: the retry is not sent, nor paid for, and the
+/// caller gets the server's answer to the attempt that was sent.
+async fn outgrown_during_the_backoff(policy: RetryPolicy, memory: usize) {
+    let layer = RetryLayer::new(policy, budget()).with_replay_memory(memory);
+    let (inner, mut handle) = mock::pair();
+    let mut svc = layer.layer(inner);
+    let (tx, req) = streaming_request();
+    tx.send(data("aaaa")).unwrap();
+    let call = spawn_call(&mut svc, req).await;
+    let (mut first, send, _) = next(&mut handle).await;
+    assert_eq!(next_data(first.body_mut()).await, "aaaa");
+    send.send_response(status(Code::Unavailable));
+    // The layer has decided to retry and waits out its backoff.
+    tokio::time::sleep(MS).await;
+    tx.send(data("bbbbbbbbbb")).unwrap();
+    assert_eq!(
+        next_data(first.body_mut()).await,
+        "bbbbbbbbbb",
+        "the chunk flows on"
+    );
+    assert_eq!(layer.replay_memory_in_use(), 0, "the copy was dropped");
+
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert!(
+        message_of(&response).contains("from the server"),
+        "the server's answer to the attempt sent: {:?}",
+        message_of(&response)
+    );
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "no retry sent"
+    );
+    assert_eq!(layer.metrics().retries(), 0, "none paid for");
+    assert_eq!(layer.budget().available(), 100.0);
+    assert_eq!(layer.metrics().body_too_large(), 1);
+    assert_eq!(layer.metrics().marked(), 0, "not retried, so not marked");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_that_outgrows_the_layers_memory_during_the_backoff_is_not_retried() {
+    outgrown_during_the_backoff(RetryPolicy::default(), 12).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_that_outgrows_the_calls_limit_during_the_backoff_is_not_retried() {
+    outgrown_during_the_backoff(RetryPolicy::default().with_replay_limit(12), 1 << 20).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_limit_by_its_size_that_no_attempt_read_is_sent_whole_on_the_next() {
+    // The first attempt waits for a service that is never ready and is cut
+    // before it is sent; nothing was read from the body, so the next attempt
+    // can send it whole even though its size is over the replay limit.
+    let policy = RetryPolicy::default()
+        .with_replay_limit(4)
+        .with_attempt_timeout(Duration::from_millis(50));
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    handle.allow(0);
+    let ready = svc.ready().await.expect("never holds the caller");
+    let call = tokio::spawn(tower::Service::call(ready, request_of(8)));
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    handle.allow(1);
+    let (req, send, _) = next(&mut handle).await;
+    assert_eq!(req.into_body().collect().await.unwrap().to_bytes().len(), 8);
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(layer.metrics().body_too_large(), 0);
 }
