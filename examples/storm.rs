@@ -3,7 +3,7 @@
 //! The retry-storm simulation: what retries do to a failing service at the
 //! bottom of 1, 2 and 3 stacked hops, each hop a client with its own
 //! `RetryLayer`, without a budget, with `RetryBudget` and with tower's
-//! `TpsBudget` plugged in through the `Budget` trait — each with the "do not
+//! `TpsBudget` plugged in through `TowerBudget` — each with the "do not
 //! retry" mark of retry-at-one-layer off (how every retrying client behaved
 //! before it) and on (the layer's default).
 //!
@@ -23,7 +23,7 @@ use rand::Rng;
 use tokio::time::Instant;
 use tonic::body::Body;
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
-use tower::retry::budget::{Budget, TpsBudget};
+use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneService;
 use tower::{BoxError, Layer, ServiceExt};
 
@@ -119,10 +119,7 @@ fn bottom(start: Instant, load: Arc<Load>) -> Hop {
 }
 
 /// One hop: a client of `next` with a retry layer paying from `budget`.
-fn hop<Bu>(next: Hop, policy: RetryPolicy, budget: Bu) -> Hop
-where
-    Bu: Budget + Send + Sync + 'static,
-{
+fn hop<Bu: tonic_retry::Budget>(next: Hop, policy: RetryPolicy, budget: Bu) -> Hop {
     let layer = RetryLayer::with_budget(policy, budget);
     BoxCloneService::new(layer.layer(next).map_response(|r| r.map(Body::new)))
 }
@@ -175,7 +172,7 @@ fn stack(depth: usize, kind: Kind, bottom: Hop) -> Hop {
         Kind::Towers(mark) => hop(
             next,
             retries(mark),
-            TpsBudget::new(Duration::from_secs(10), 10, 0.1),
+            tonic_retry::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 10, 0.1)),
         ),
     })
 }

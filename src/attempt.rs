@@ -23,11 +23,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::budget::Budget;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower::BoxError;
-use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use crate::body::ResponseBody;

@@ -14,12 +14,12 @@
 //! deposits and withdrawals are lock-free compare-and-swap loops, and a balance
 //! already at its cap costs a deposit no more than one load.
 
-use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::ConfigError;
+#[cfg(doc)]
 use crate::throttle::RetryThrottle;
 
 /// Thousandths of a token: the unit the account is kept in.
@@ -146,43 +146,111 @@ impl RetryBudget {
     }
 }
 
-// What the layer knows of the budgets this crate defines, beyond the one
-// question tower's `Budget` trait can answer (`withdraw`). Any other `tower`
-// budget is asked only when a retry is sent, and charged only then.
+/// What the layer asks of the budget its retries (and hedges) are paid from.
+///
+/// The crate's own budgets implement it: [`RetryBudget`] (a token account) and
+/// [`RetryThrottle`] (gRPC A6's retry throttling). Any `tower` retry budget
+/// (tower's `TpsBudget`, say) works through [`TowerBudget`]. A budget is
+/// shared by every call, on any thread, so it is `Send + Sync`.
+///
+/// Only [`deposit`](Budget::deposit) and [`withdraw`](Budget::withdraw) are
+/// required; the others say what a budget knows beyond them, and default to
+/// knowing nothing.
+pub trait Budget: Send + Sync + 'static {
+    /// A call ended with `OK` (for a committed response: when its trailers
+    /// said so).
+    fn deposit(&self);
 
-/// The balance of a budget whose type this crate knows, for the layer's events.
-pub(crate) fn balance<Bu: 'static>(budget: &Bu) -> Option<f64> {
-    let any = budget as &dyn Any;
-    if let Some(b) = any.downcast_ref::<RetryBudget>() {
-        return Some(b.available());
+    /// Pays for one retry (or hedge) about to be sent. `false` means it is
+    /// not sent.
+    fn withdraw(&self) -> bool;
+
+    /// An attempt of a method that retries failed with a retryable status,
+    /// retried or not. gRPC's throttling charges these; by default, nothing.
+    fn on_retryable_failure(&self) {}
+
+    /// Whether [`withdraw`](Budget::withdraw) would refuse now, asked without
+    /// taking anything, so that the layer refuses a retry before its backoff
+    /// rather than after. By default a budget is never known to be empty.
+    fn is_known_empty(&self) -> bool {
+        false
     }
-    any.downcast_ref::<RetryThrottle>()
-        .and_then(RetryThrottle::available)
+
+    /// Whether a retry this budget refuses ends the call with the failure's
+    /// own status (as gRPC's throttling does) rather than with
+    /// `RESOURCE_EXHAUSTED` ("retry budget exhausted").
+    fn refusal_keeps_status(&self) -> bool {
+        false
+    }
+
+    /// The tokens available now, for the layer's events; `None` if the
+    /// budget has no such number.
+    fn balance(&self) -> Option<f64> {
+        None
+    }
 }
 
-/// Whether a budget whose type this crate knows refuses a retry now: the layer
-/// then refuses at once instead of after the backoff.
-pub(crate) fn is_known_empty<Bu: 'static>(budget: &Bu) -> bool {
-    let any = budget as &dyn Any;
-    if let Some(b) = any.downcast_ref::<RetryBudget>() {
-        return !b.has_token();
+/// Any `tower` retry budget as the layer's [`Budget`]: deposited on each
+/// successful call, withdrawn from once per retry sent.
+///
+/// ```
+/// use std::time::Duration;
+/// use tonic_retry::{RetryLayer, RetryPolicy, TowerBudget};
+/// use tower::retry::budget::TpsBudget;
+///
+/// let tps = TpsBudget::new(Duration::from_secs(10), 10, 0.2);
+/// let layer = RetryLayer::with_budget(RetryPolicy::default(), TowerBudget::new(tps));
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct TowerBudget<B>(B);
+
+impl<B> TowerBudget<B> {
+    /// Wraps `budget`.
+    pub const fn new(budget: B) -> Self {
+        Self(budget)
     }
-    any.downcast_ref::<RetryThrottle>()
-        .is_some_and(|t| !t.allows_retry())
+
+    /// The tower budget.
+    pub fn get_ref(&self) -> &B {
+        &self.0
+    }
+
+    /// Unwraps the tower budget.
+    pub fn into_inner(self) -> B {
+        self.0
+    }
 }
 
-/// Charges a retryable failure, retried or not, to a budget that counts them:
-/// gRPC's throttling ([`RetryThrottle`]) does.
-pub(crate) fn on_retryable_failure<Bu: 'static>(budget: &Bu) {
-    if let Some(t) = (budget as &dyn Any).downcast_ref::<RetryThrottle>() {
-        t.on_retryable_failure();
+impl<B> Budget for TowerBudget<B>
+where
+    B: tower::retry::budget::Budget + Send + Sync + 'static,
+{
+    fn deposit(&self) {
+        self.0.deposit();
+    }
+
+    fn withdraw(&self) -> bool {
+        self.0.withdraw()
     }
 }
 
-/// Whether a retry this budget refuses ends the call with the failure's own
-/// status, as gRPC's throttling does, rather than `RESOURCE_EXHAUSTED`.
-pub(crate) fn refusal_keeps_status<Bu: 'static>(budget: &Bu) -> bool {
-    (budget as &dyn Any).is::<RetryThrottle>()
+impl Budget for RetryBudget {
+    fn deposit(&self) {
+        RetryBudget::deposit(self);
+    }
+
+    fn withdraw(&self) -> bool {
+        self.try_withdraw()
+    }
+
+    fn is_known_empty(&self) -> bool {
+        !self.has_token()
+    }
+
+    fn balance(&self) -> Option<f64> {
+        Some(self.available())
+    }
 }
 
 impl tower::retry::budget::Budget for RetryBudget {

@@ -13,16 +13,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::budget::Budget;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tonic::Code;
 use tower::retry::Policy;
-use tower::retry::budget::Budget;
 
 use crate::attempt::{Cut, Failure};
 use crate::body::{Credit, ResponseBody};
-use crate::budget;
 use crate::classify::{
     Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
 };
@@ -172,7 +171,7 @@ impl CallState {
     }
 
     /// Classify, then attempts, then deadline, then budget.
-    fn decide<Bu: Budget + 'static>(
+    fn decide<Bu: Budget>(
         &mut self,
         shared: &Shared<Bu>,
         policy: &RetryPolicy,
@@ -213,7 +212,7 @@ impl CallState {
         let charge = policy.max_attempts > 1 && sent;
         if let Verdict::RetriedBelow(_) = verdict {
             if charge {
-                budget::on_retryable_failure(budget);
+                budget.on_retryable_failure();
             }
             shared.metrics.record(Event::RetriedBelow);
             return Decision::Done("not retried: a layer below already retried");
@@ -222,7 +221,7 @@ impl CallState {
             return Decision::Done("not retryable");
         };
         if charge {
-            budget::on_retryable_failure(budget);
+            budget.on_retryable_failure();
         }
         if let Some(id) = instance {
             self.tried.record(id);
@@ -259,8 +258,8 @@ impl CallState {
         // While nothing has been sent, the next attempt is no retry and
         // costs no token. Otherwise the token is taken when the retry is
         // sent; a budget known to be empty refuses now, not after the backoff.
-        if self.sent > 0 && budget::is_known_empty(budget) {
-            if budget::refusal_keeps_status(budget) {
+        if self.sent > 0 && budget.is_known_empty() {
+            if budget.refusal_keeps_status() {
                 return Decision::Throttled;
             }
             return Decision::NoBudget { delay };
@@ -415,7 +414,7 @@ fn previous_attempts(sent: u32) -> HeaderValue {
 }
 
 /// A call that ended with `OK` after its response was committed.
-impl<Bu: Budget + Send + Sync> Credit for Shared<Bu> {
+impl<Bu: Budget> Credit for Shared<Bu> {
     fn credit(&self) {
         Budget::deposit(&self.budget);
     }
@@ -424,7 +423,7 @@ impl<Bu: Budget + Send + Sync> Credit for Shared<Bu> {
 impl<B, RB, Bu> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, Failure>
     for CallPolicy<Bu>
 where
-    Bu: Budget + Send + Sync + 'static,
+    Bu: Budget,
 {
     type Future = Backoff;
 
@@ -474,7 +473,7 @@ where
                     key = key(req),
                     "retry budget exhausted"
                 );
-                *result = Ok(if budget::refusal_keeps_status(budget) {
+                *result = Ok(if budget.refusal_keeps_status() {
                     state.last_status("retries throttled")
                 } else {
                     let message = format!("retry budget exhausted; {}", state.ended_with(None));
@@ -567,7 +566,7 @@ where
             key = key(req),
             delay = ?decision.delay(),
             remaining = ?remaining,
-            tokens = budget::balance(budget).unwrap_or(f64::NAN),
+            tokens = budget.balance().unwrap_or(f64::NAN),
             marked,
             "{}",
             decision.describe()

@@ -5,9 +5,9 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
+use crate::budget::Budget;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use crate::attempt::Attempt;
@@ -35,9 +35,6 @@ pin_project! {
         B: Send,
         B: 'static,
         Bu: Budget,
-        Bu: Send,
-        Bu: Sync,
-        Bu: 'static,
     {
         #[pin]
         inner: Retrying<S, B, Bu>,
@@ -49,7 +46,7 @@ impl<S, B, RB, Bu> ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
-    Bu: Budget + Send + Sync + 'static,
+    Bu: Budget,
 {
     pub(crate) fn new(inner: Retrying<S, B, Bu>) -> Self {
         Self {
@@ -63,7 +60,7 @@ impl<S, B, RB, Bu> Future for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
-    Bu: Budget + Send + Sync + 'static,
+    Bu: Budget,
 {
     type Output = Result<Response<ResponseBody<RB>>, S::Error>;
 
@@ -81,7 +78,7 @@ impl<S, B, RB, Bu> std::fmt::Debug for ResponseFuture<S, B, RB, Bu>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
-    Bu: Budget + Send + Sync + 'static,
+    Bu: Budget,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()

@@ -20,8 +20,9 @@ use crate::shared::Shared;
 ///
 /// The budget is a [`RetryBudget`] unless the layer is made with
 /// [`with_budget`](RetryLayer::with_budget), which takes any
-/// [`tower::retry::budget::Budget`] that is `Send + Sync` (tower's
-/// `TpsBudget`, say).
+/// [`Budget`](crate::Budget): gRPC's [`RetryThrottle`](crate::RetryThrottle),
+/// or a `tower` budget (tower's `TpsBudget`, say) in a
+/// [`TowerBudget`](crate::TowerBudget).
 ///
 /// `B` is the type of the request bodies the layer's services take: tonic's
 /// [`Body`](tonic::body::Body), what tonic's `Channel` and generated clients
@@ -43,19 +44,20 @@ impl RetryLayer {
 }
 
 impl<Bu> RetryLayer<Bu> {
-    /// A layer paying for retries from any `tower` retry budget.
+    /// A layer paying for retries from `budget`: a [`RetryBudget`], a
+    /// [`RetryThrottle`](crate::RetryThrottle) (gRPC's retry throttling), any
+    /// `tower` retry budget wrapped in a [`TowerBudget`](crate::TowerBudget),
+    /// or a [`Budget`](crate::Budget) of your own.
     ///
     /// The layer deposits on each successful call (one that ends with `OK`:
     /// for a committed response, when its trailers say so) and withdraws once
-    /// per retry, as with [`RetryBudget`]; only a [`RetryBudget`]'s or a
-    /// [`RetryThrottle`](crate::RetryThrottle)'s balance shows in the layer's
-    /// tracing events. The budget is shared by every call, on any thread: it
+    /// per retry sent. The budget is shared by every call, on any thread: it
     /// must be `Send + Sync`. A budget of `Cell`s is refused here, where it is
     /// made, not at the first call:
     ///
     /// ```compile_fail
     /// use std::cell::Cell;
-    /// use tonic_retry::{RetryLayer, RetryPolicy};
+    /// use tonic_retry::{RetryLayer, RetryPolicy, TowerBudget};
     ///
     /// struct Local(Cell<u32>);
     /// impl tower::retry::budget::Budget for Local {
@@ -64,11 +66,12 @@ impl<Bu> RetryLayer<Bu> {
     ///         false
     ///     }
     /// }
-    /// let layer = RetryLayer::with_budget(RetryPolicy::default(), Local(Cell::new(0)));
+    /// let budget = TowerBudget::new(Local(Cell::new(0)));
+    /// let layer = RetryLayer::with_budget(RetryPolicy::default(), budget);
     /// ```
     pub fn with_budget(policy: impl Into<MethodPolicies>, budget: Bu) -> Self
     where
-        Bu: tower::retry::budget::Budget + Send + Sync + 'static,
+        Bu: crate::budget::Budget,
     {
         Self {
             shared: Shared::new(policy.into(), budget),

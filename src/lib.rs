@@ -181,9 +181,9 @@
 //! * `fault` (cargo feature `fault`): a server-side layer injecting gRPC
 //!   failures, delays, pushback and lost responses by rule, to rehearse retry
 //!   settings against real servers.
-//! * [`RetryLayer::with_budget`]: pay for retries from any `Send + Sync`
-//!   [`tower::retry::budget::Budget`] (tower's `TpsBudget`, say) instead of a
-//!   [`RetryBudget`]; [`RetryThrottle`] is gRPC's own retry throttling.
+//! * [`RetryLayer::with_budget`]: pay for retries from any [`Budget`]:
+//!   [`RetryThrottle`] is gRPC's own retry throttling, and [`TowerBudget`]
+//!   takes any `tower` retry budget (tower's `TpsBudget`, say).
 //! * [`MethodPolicies`]: a policy per gRPC method (method, else service, else
 //!   default), and, with the `service-config` feature,
 //!   `service_config::ServiceConfig`: the gRPC service config JSON grpc-go and
@@ -229,7 +229,7 @@ mod status;
 mod throttle;
 
 pub use body::ResponseBody;
-pub use budget::RetryBudget;
+pub use budget::{Budget, RetryBudget, TowerBudget};
 pub use error::ConfigError;
 pub use layer::RetryLayer;
 pub use marks::{

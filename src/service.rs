@@ -2,6 +2,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use crate::budget::Budget;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{Request, Response};
@@ -9,7 +10,6 @@ use http_body::Body;
 use tokio::time::Instant;
 use tower::BoxError;
 use tower::retry::Retry;
-use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use crate::attempt::{Attempt, Limits};
@@ -113,12 +113,12 @@ where
     S: Service<Request<B>>,
     S::Error: Into<BoxError>,
 {
-    /// Wraps `inner`, paying for retries from any `tower` retry budget that
-    /// is `Send + Sync` (every call shares it). The request body type `B` is
+    /// Wraps `inner`, paying for retries from any [`Budget`] (every call
+    /// shares it; see [`RetryLayer::with_budget`](crate::RetryLayer::with_budget)). The request body type `B` is
     /// the one `inner` takes.
     pub fn with_budget(inner: S, policy: impl Into<MethodPolicies>, budget: Bu) -> Self
     where
-        Bu: tower::retry::budget::Budget + Send + Sync + 'static,
+        Bu: Budget,
     {
         Self::from_shared(inner, Shared::new(policy.into(), budget))
     }
@@ -184,7 +184,7 @@ where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
-    Bu: Budget + Send + Sync + 'static,
+    Bu: Budget,
 {
     type Response = Response<ResponseBody<RB>>;
     type Error = S::Error;

@@ -174,6 +174,34 @@ impl tower::retry::budget::Budget for RetryThrottle {
     }
 }
 
+impl crate::budget::Budget for RetryThrottle {
+    fn deposit(&self) {
+        self.on_success();
+    }
+
+    /// Whether a retry may be sent: A6 charges failures, not retries, so this
+    /// takes nothing.
+    fn withdraw(&self) -> bool {
+        self.allows_retry()
+    }
+
+    fn on_retryable_failure(&self) {
+        RetryThrottle::on_retryable_failure(self);
+    }
+
+    fn is_known_empty(&self) -> bool {
+        !self.allows_retry()
+    }
+
+    fn refusal_keeps_status(&self) -> bool {
+        true
+    }
+
+    fn balance(&self) -> Option<f64> {
+        self.available()
+    }
+}
+
 impl fmt::Debug for RetryThrottle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.inner {

@@ -687,7 +687,7 @@ async fn dropping_the_call_cancels_the_attempt_in_flight() {
 async fn any_tower_budget_can_pay_for_retries() {
     use tower::retry::budget::TpsBudget;
     // No reserve, no earnings: tower's budget refuses every retry.
-    let none = TpsBudget::new(Duration::from_secs(10), 0, 0.0);
+    let none = tonic_retry::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 0, 0.0));
     let layer = RetryLayer::with_budget(RetryPolicy::default(), none);
     let (inner, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let mut svc = layer.layer(inner);
@@ -699,7 +699,7 @@ async fn any_tower_budget_can_pay_for_retries() {
     assert_eq!(layer.metrics().refused_by_budget(), 1);
 
     // A generous one lets the retry through.
-    let plenty = TpsBudget::new(Duration::from_secs(10), 100, 0.5);
+    let plenty = tonic_retry::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 100, 0.5));
     let layer = RetryLayer::with_budget(RetryPolicy::default(), plenty);
     let (inner, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let mut svc = layer.layer(inner);
@@ -766,4 +766,53 @@ async fn failures_without_a_status_follow_the_with_retry_info_rule() {
         handle.next_request().now_or_never().is_none(),
         "no second attempt"
     );
+}
+
+/// A budget of the user's own is asked what the crate's are: charged for each
+/// retryable failure, asked whether it is empty before the backoff, and
+/// whether its refusal keeps the failure's own status.
+#[tokio::test(start_paused = true)]
+async fn a_budget_of_ones_own_is_asked_as_the_crates_are() {
+    use std::sync::atomic::AtomicU32;
+    #[derive(Default)]
+    struct Strict {
+        failures: AtomicU32,
+        withdrawals: AtomicU32,
+    }
+    impl tonic_retry::Budget for Strict {
+        fn deposit(&self) {}
+        fn withdraw(&self) -> bool {
+            self.withdrawals.fetch_add(1, Ordering::SeqCst);
+            true
+        }
+        fn on_retryable_failure(&self) {
+            self.failures.fetch_add(1, Ordering::SeqCst);
+        }
+        fn is_known_empty(&self) -> bool {
+            self.failures.load(Ordering::SeqCst) >= 2
+        }
+        fn refusal_keeps_status(&self) -> bool {
+            true
+        }
+        fn balance(&self) -> Option<f64> {
+            Some(7.0)
+        }
+    }
+    let layer = RetryLayer::with_budget(RetryPolicy::default(), Strict::default());
+    let (inner, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    // Failure 1: charged, not empty yet, so retried (one withdrawal).
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(Code::Unavailable));
+    // Failure 2: charged, now known empty: refused before any backoff,
+    // ending with the failure's own status.
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(layer.budget().failures.load(Ordering::SeqCst), 2);
+    assert_eq!(layer.budget().withdrawals.load(Ordering::SeqCst), 1);
+    assert_eq!(layer.metrics().refused_by_budget(), 1);
+    assert!(handle.next_request().now_or_never().is_none());
 }
