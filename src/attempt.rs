@@ -33,6 +33,8 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::classify::{is_timeout, status_in};
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_at};
+use crate::hedge::HedgeFuture;
+use crate::marks::AlreadyTried;
 use crate::metrics::Event;
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
@@ -132,6 +134,8 @@ where
     report: bool,
     /// The least time worth sending a retry with.
     min_attempt_budget: Duration,
+    /// For a hedged call, its policy: the first call starts the hedge driver.
+    hedge: Option<usize>,
     _body: PhantomData<fn(B)>,
 }
 
@@ -158,8 +162,29 @@ where
             limits,
             report: policy.instance_header.is_some(),
             min_attempt_budget: policy.min_attempt_budget,
+            hedge: None,
             _body: PhantomData,
         }
+    }
+
+    /// The attempts of a call that hedges by the policy at `index`: the one
+    /// call tower's `Retry` makes starts the hedge driver, which makes the
+    /// call's attempts through a plain copy of this.
+    pub(crate) fn hedging(mut self, index: usize) -> Self {
+        self.hedge = Some(index);
+        self
+    }
+}
+
+impl<S, B, Bu> Attempt<S, B, Bu>
+where
+    S: Service<Request<B>>,
+{
+    /// Leaves the balancer's report slot to the caller: a hedged call gives
+    /// each of its attempts, side by side, a slot of its own.
+    pub(crate) fn without_report(mut self) -> Self {
+        self.report = false;
+        self
     }
 }
 
@@ -179,6 +204,7 @@ where
             limits: self.limits,
             report: self.report,
             min_attempt_budget: self.min_attempt_budget,
+            hedge: self.hedge,
             _body: PhantomData,
         }
     }
@@ -203,6 +229,9 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReplayBody<B>>) -> Self::Future {
+        if let Some(index) = self.hedge.take() {
+            return self.start_hedging(index, req);
+        }
         // NOTE: tower's `Retry` has already cloned the request it keeps for the
         // next retry, so the report slot goes with this attempt only.
         if self.report {
@@ -245,6 +274,59 @@ where
     }
 }
 
+impl<S, B, Bu> Attempt<S, B, Bu>
+where
+    S: Service<Request<B>> + Clone,
+{
+    /// The hedge driver for the call of `req`, making its attempts through a
+    /// plain copy of this, on the instance the caller readied first.
+    fn start_hedging(
+        &mut self,
+        index: usize,
+        req: Request<ReplayBody<B>>,
+    ) -> AttemptFuture<S, B, Bu> {
+        let fresh = self.inner.clone();
+        let driver = Attempt {
+            inner: std::mem::replace(&mut self.inner, fresh),
+            into_box: self.into_box,
+            first: true,
+            ready: std::mem::take(&mut self.ready),
+            shared: Arc::clone(&self.shared),
+            limits: self.limits,
+            report: self.report,
+            min_attempt_budget: self.min_attempt_budget,
+            hedge: None,
+            _body: PhantomData,
+        };
+        let tried = req
+            .extensions()
+            .get::<AlreadyTried>()
+            .cloned()
+            .unwrap_or_default();
+        let deadline = self.limits.deadline;
+        let shared = Arc::clone(&self.shared);
+        let hedged = HedgeFuture::new(driver, shared, index, req, deadline, tried);
+        AttemptFuture::new(
+            State::Hedged {
+                future: Box::pin(hedged),
+            },
+            self.into_box,
+            None,
+            deadline,
+            None,
+            Duration::ZERO,
+        )
+    }
+}
+
+/// What an attempt is doing.
+type AttemptState<S, B, Bu> = State<
+    S,
+    Request<ReplayBody<B>>,
+    <S as Service<Request<B>>>::Future,
+    Pin<Box<HedgeFuture<S, B, Bu>>>,
+>;
+
 pin_project! {
     /// One attempt: readiness (for a retry), the inner service's future, and
     /// the timer that cuts both.
@@ -253,7 +335,7 @@ pin_project! {
         S: Service<Request<B>>,
     {
         #[pin]
-        state: State<S, Request<ReplayBody<B>>, S::Future>,
+        state: AttemptState<S, B, Bu>,
         into_box: fn(S::Error) -> BoxError,
         #[pin]
         timer: Option<Sleep>,
@@ -270,7 +352,7 @@ pin_project! {
 
 pin_project! {
     #[project = StateProj]
-    enum State<S, R, F> {
+    enum State<S, R, F, H> {
         /// Waiting for the inner service to be ready. Boxed: most first
         /// attempts never wait, and the future is moved before it is polled.
         Readying {
@@ -285,6 +367,11 @@ pin_project! {
         Failed {
             failure: Option<Failure>,
         },
+        /// A hedged call: its driver makes the attempts. Boxed: the driver
+        /// is large, and only a hedged call pays for it.
+        Hedged {
+            future: H,
+        },
     }
 }
 
@@ -293,7 +380,7 @@ where
     S: Service<Request<B>>,
 {
     fn new(
-        state: State<S, Request<ReplayBody<B>>, S::Future>,
+        state: AttemptState<S, B, Bu>,
         into_box: fn(S::Error) -> BoxError,
         cut: Option<(Instant, Cut)>,
         deadline: Option<Instant>,
@@ -334,8 +421,8 @@ fn fired(timer: Pin<&mut Option<Sleep>>, cx: &mut Context<'_>) -> bool {
 
 impl<S, B, RB, Bu> Future for AttemptFuture<S, B, Bu>
 where
-    S: Service<Request<B>, Response = Response<RB>>,
-    B: From<ReplayBody<B>>,
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
 {
     type Output = Result<Response<ResponseBody<RB>>, Failure>;
@@ -390,6 +477,7 @@ where
                     this.state.set(State::Failed { failure: None });
                     return Poll::Ready(Err(Failure::Cut { why, sent: true }));
                 }
+                StateProj::Hedged { future } => return future.as_mut().poll(cx).map(Ok),
                 StateProj::Failed { failure } => {
                     let Some(failure) = failure.take() else {
                         panic!("an attempt was polled after it completed");
@@ -438,7 +526,12 @@ fn send<B, Bu: Budget>(
             if !shared.budget.withdraw() {
                 return Err(Failure::NoBudget);
             }
-            shared.metrics.record(Event::Retry);
+            let event = if req.body().is_hedge() {
+                Event::Hedge
+            } else {
+                Event::Retry
+            };
+            shared.metrics.record(event);
         }
         // From now on this attempt's body is the live one.
         req.body_mut().sent();

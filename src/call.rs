@@ -38,6 +38,8 @@ pub(crate) struct CallPolicy<Bu> {
     shared: Arc<Shared<Bu>>,
     /// The call's policy, in `shared.policies`.
     policy: usize,
+    /// The call hedges: its one "attempt" is the hedge driver, never retried.
+    hedged: bool,
     state: CallState,
 }
 
@@ -78,6 +80,7 @@ impl<Bu> Clone for CallPolicy<Bu> {
         Self {
             shared: Arc::clone(&self.shared),
             policy: self.policy,
+            hedged: self.hedged,
             state: self.state.clone(),
         }
     }
@@ -91,10 +94,12 @@ impl<Bu> CallPolicy<Bu> {
         policy: usize,
         deadline: Option<Instant>,
         tried: AlreadyTried,
+        hedged: bool,
     ) -> Self {
         Self {
             shared,
             policy,
+            hedged,
             state: CallState {
                 deadline,
                 made: 1,
@@ -379,7 +384,7 @@ fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolic
 
 /// The message of the `UNAVAILABLE` a caller gets when the last attempt got
 /// no response at all.
-fn no_response_message(made: u32, error: &str) -> String {
+pub(crate) fn no_response_message(made: u32, error: &str) -> String {
     if made == 1 {
         format!("no response from the server: {error}")
     } else {
@@ -403,7 +408,7 @@ fn instance<'a, RB>(
 
 /// `grpc-previous-rpc-attempts` for the attempt after `sent` attempts;
 /// attempts are capped at five, so the common values need no allocation.
-fn previous_attempts(sent: u32) -> HeaderValue {
+pub(crate) fn previous_attempts(sent: u32) -> HeaderValue {
     match sent {
         1 => HeaderValue::from_static("1"),
         2 => HeaderValue::from_static("2"),
@@ -628,6 +633,11 @@ where
     }
 
     fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
+        if self.hedged {
+            // The hedge driver makes the call's attempts; with no clone kept,
+            // `Retry` hands its outcome over without asking `retry`.
+            return None;
+        }
         // Always a clone, even of a body that can no longer be replayed: `Retry`
         // only shows `retry` the outcomes of requests it holds a clone of, and
         // every outcome must pass `retry` for the budget and the final touches.
@@ -659,7 +669,7 @@ fn end_call<B, RB>(
 /// Marks a failure this layer gave up on "do not retry" for the layers above
 /// (gRPC A6: a negative `grpc-retry-pushback-ms`), replacing any pushback the
 /// server sent: the retries happened here, at the lowest hop.
-fn mark_given_up<RB>(response: &mut Response<ResponseBody<RB>>, metrics: &RetryMetrics) {
+pub(crate) fn mark_given_up<RB>(response: &mut Response<ResponseBody<RB>>, metrics: &RetryMetrics) {
     response
         .headers_mut()
         .insert(GRPC_RETRY_PUSHBACK, HeaderValue::from_static("-1"));

@@ -176,6 +176,10 @@
 //!
 //! # Also in this crate
 //!
+//! * [`HedgePolicy`]: hedging, for slowness rather than failure (gRPC A6's
+//!   `hedgingPolicy`): another copy of a slow attempt goes to another
+//!   instance, and the first good answer wins ([`hedge`] explains).
+//!   Usable wherever a [`RetryPolicy`] is.
 //! * [`balance::PreferUntried`]: an in-process balancer that honours the
 //!   already-tried mark, so retries land on another instance.
 //! * `fault` (cargo feature `fault`): a server-side layer injecting gRPC
@@ -215,6 +219,7 @@ mod error;
 #[cfg(feature = "fault")]
 pub mod fault;
 pub mod future;
+pub mod hedge;
 mod layer;
 mod marks;
 mod methods;
@@ -231,6 +236,7 @@ mod throttle;
 pub use body::ResponseBody;
 pub use budget::{Budget, RetryBudget, TowerBudget};
 pub use error::ConfigError;
+pub use hedge::HedgePolicy;
 pub use layer::RetryLayer;
 pub use marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, MAX_INSTANCE_ID_LEN,

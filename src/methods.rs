@@ -7,7 +7,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::error::ConfigError;
 use crate::policy::RetryPolicy;
 
-/// Retry policies chosen by the request's gRPC method, as gRPC's service
+/// Retry (or hedging) policies chosen by the request's gRPC method, as gRPC's service
 /// config chooses them: the method's own policy, else its service's, else the
 /// default.
 ///
@@ -95,9 +95,9 @@ impl MethodPolicies {
     }
 
     /// A table whose default is `policy`.
-    pub fn with_default(policy: RetryPolicy) -> Self {
+    pub fn with_default(policy: impl Into<RetryPolicy>) -> Self {
         Self {
-            policies: vec![policy],
+            policies: vec![policy.into()],
             methods: HashMap::default(),
             services: HashMap::default(),
         }
@@ -110,8 +110,12 @@ impl MethodPolicies {
     ///
     /// [`ConfigError`] if `service` is empty, contains `/`, or already has a
     /// policy.
-    pub fn with_service(mut self, service: &str, policy: RetryPolicy) -> Result<Self, ConfigError> {
-        self.insert_service(service, policy)?;
+    pub fn with_service(
+        mut self,
+        service: &str,
+        policy: impl Into<RetryPolicy>,
+    ) -> Result<Self, ConfigError> {
+        self.insert_service(service, policy.into())?;
         Ok(self)
     }
 
@@ -144,9 +148,9 @@ impl MethodPolicies {
         mut self,
         service: &str,
         method: &str,
-        policy: RetryPolicy,
+        policy: impl Into<RetryPolicy>,
     ) -> Result<Self, ConfigError> {
-        self.insert_method(service, method, policy)?;
+        self.insert_method(service, method, policy.into())?;
         Ok(self)
     }
 

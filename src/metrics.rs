@@ -22,6 +22,7 @@ struct Counters {
     retried_below: AtomicU64,
     marked: AtomicU64,
     body_too_large: AtomicU64,
+    hedges: AtomicU64,
 }
 
 /// What to count.
@@ -34,6 +35,7 @@ pub(crate) enum Event {
     RetriedBelow,
     Marked,
     BodyTooLarge,
+    Hedge,
 }
 
 impl RetryMetrics {
@@ -47,6 +49,7 @@ impl RetryMetrics {
             Event::RetriedBelow => &c.retried_below,
             Event::Marked => &c.marked,
             Event::BodyTooLarge => &c.body_too_large,
+            Event::Hedge => &c.hedges,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -60,6 +63,13 @@ impl RetryMetrics {
     /// Retries sent, each paid for with one token when it was sent.
     pub fn retries(&self) -> u64 {
         self.inner.retries.load(Ordering::Relaxed)
+    }
+
+    /// Hedges sent (attempts of a hedged call after its first), each paid
+    /// for with one token when it was sent. Not counted in
+    /// [`retries`](Self::retries).
+    pub fn hedges(&self) -> u64 {
+        self.inner.hedges.load(Ordering::Relaxed)
     }
 
     /// Retryable failures not retried because the budget was empty.
@@ -104,6 +114,7 @@ impl fmt::Debug for RetryMetrics {
         f.debug_struct("RetryMetrics")
             .field("attempts", &self.attempts())
             .field("retries", &self.retries())
+            .field("hedges", &self.hedges())
             .field("refused_by_budget", &self.refused_by_budget())
             .field("refused_by_deadline", &self.refused_by_deadline())
             .field("retried_below", &self.retried_below())

@@ -1,6 +1,7 @@
 //! What to retry, how long to wait, and how much time one call may take.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderName;
@@ -8,6 +9,7 @@ use rand::Rng;
 use tonic::Code;
 
 use crate::error::ConfigError;
+use crate::hedge::HedgePlan;
 
 /// The most attempts a call may make, first attempt included (as in gRPC's A6).
 pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
@@ -227,6 +229,9 @@ pub struct RetryPolicy {
     pub(crate) idempotency_key: bool,
     pub(crate) instance_header: Option<HeaderName>,
     pub(crate) retry_at_one_layer: bool,
+    /// Set for a hedging policy (made by [`HedgePolicy`](crate::HedgePolicy)):
+    /// the method hedges instead of retrying.
+    pub(crate) hedge: Option<Arc<HedgePlan>>,
 }
 
 impl RetryPolicy {
@@ -281,6 +286,7 @@ impl RetryPolicy {
             idempotency_key: true,
             instance_header: Some(crate::marks::INSTANCE_ID),
             retry_at_one_layer: true,
+            hedge: None,
         })
     }
 
@@ -518,6 +524,12 @@ impl RetryPolicy {
     /// The per-attempt timeout, if any.
     pub fn attempt_timeout(&self) -> Option<Duration> {
         self.attempt_timeout
+    }
+
+    /// For a policy made from a [`HedgePolicy`](crate::HedgePolicy): the
+    /// hedging delay. `None` for a policy that retries.
+    pub fn hedge_delay(&self) -> Option<Duration> {
+        self.hedge.as_ref().map(|plan| plan.delay)
     }
 
     /// The backoff before retry `retry` (1 for the first retry), with a fresh

@@ -59,6 +59,8 @@ pub struct ReplayBody<B> {
     /// Whether the caller's body ever answered this clone `Pending`: only
     /// then can its waker be the one the body will wake.
     waited: bool,
+    /// Whether this clone goes out as a hedge (paid for as a retry is).
+    hedge: bool,
 }
 
 /// The epoch of a clone that was never sent.
@@ -89,6 +91,13 @@ struct Shared<B> {
     only: Option<u32>,
     /// The copy is dropped: `only` has replayed it, or never needed it.
     released: bool,
+    /// Attempts read the body side by side (a hedged call): a later one
+    /// being sent does not end an earlier one's reading.
+    concurrent: bool,
+    /// The body's size is known and within the limit: its copy can never be
+    /// dropped for the limit, so another attempt can read it side by side
+    /// before it is complete.
+    fits: bool,
     ended: bool,
     failed: bool,
     trailers: Option<HeaderMap>,
@@ -254,19 +263,22 @@ impl<B: Body> ReplayBody<B> {
     /// Wraps `body` as [`new`](Self::new) does, its copy also counted in
     /// `memory`, which the copies of other calls share.
     pub(crate) fn sharing(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self {
-        let capped = body.size_hint().lower() > limit as u64;
-        Self::with_state(body, limit, capped, false, memory)
+        let hint = body.size_hint();
+        let capped = hint.lower() > limit as u64;
+        let fits = hint.upper().is_some_and(|upper| upper <= limit as u64);
+        Self::with_state(body, limit, capped, fits, false, memory)
     }
 
     /// Wraps `body` for a call that will never be retried: nothing is copied.
     pub(crate) fn unreplayable(body: B) -> Self {
-        Self::with_state(body, 0, false, true, None)
+        Self::with_state(body, 0, false, false, true, None)
     }
 
     fn with_state(
         body: B,
         limit: usize,
         capped: bool,
+        fits: bool,
         final_attempt: bool,
         memory: Option<Arc<ReplayMemory>>,
     ) -> Self {
@@ -285,6 +297,8 @@ impl<B: Body> ReplayBody<B> {
                 live_pos: 0,
                 only: final_attempt.then_some(0),
                 released: final_attempt,
+                concurrent: false,
+                fits,
                 ended: false,
                 failed: false,
                 trailers: None,
@@ -297,6 +311,7 @@ impl<B: Body> ReplayBody<B> {
             last: false,
             retry: false,
             waited: false,
+            hedge: false,
         }
     }
 }
@@ -356,6 +371,17 @@ impl<B> ReplayBody<B> {
         self.retry
     }
 
+    /// Marks this clone as a hedge: paid for as a retry, counted as a hedge.
+    pub(crate) fn set_hedge(&mut self) {
+        self.retry = true;
+        self.hedge = true;
+    }
+
+    /// Whether this clone goes out as a hedge.
+    pub(crate) fn is_hedge(&self) -> bool {
+        self.hedge
+    }
+
     /// Records that this clone is being sent as the call's next attempt.
     pub(crate) fn sent(&mut self) {
         let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
@@ -381,6 +407,35 @@ impl<B> ReplayBody<B> {
     /// Whether the caller's body has been read to its end.
     pub fn is_complete(&self) -> bool {
         self.lock().ended
+    }
+
+    /// Lets attempts read the body side by side, as a hedged call's do: a
+    /// later attempt being sent no longer ends an earlier one's reading.
+    pub(crate) fn set_concurrent(&self) {
+        self.lock().concurrent = true;
+    }
+
+    /// Whether another attempt could send the whole body side by side with
+    /// the ones before it now (see [`poll_complete`](Self::poll_complete)).
+    pub(crate) fn is_hedgeable(&self) -> bool {
+        let shared = self.lock();
+        shared.replay_state().is_ok() && (shared.ended || shared.fits)
+    }
+
+    /// Ready once another attempt can send the whole body side by side with
+    /// the ones before it: the caller's body has been read to its end with a
+    /// copy of all of it kept, or its size is known and within the limit (so
+    /// its copy can never be dropped for it). An error once it cannot be.
+    pub(crate) fn poll_complete(&self, cx: &Context<'_>) -> Poll<Result<(), ReplayError>> {
+        let mut shared = self.lock();
+        shared.replay_state()?;
+        if shared.ended || shared.fits {
+            return Poll::Ready(Ok(()));
+        }
+        // Woken with the clones waiting for the body: when an attempt reads
+        // more of it.
+        shared.wait(cx);
+        Poll::Pending
     }
 }
 
@@ -532,7 +587,7 @@ where
 
         // An earlier attempt's stream, still pulled after a later attempt was
         // sent, must not take chunks from it (nor push the copy over its cap).
-        if this.epoch != UNSENT && this.epoch < shared.live {
+        if this.epoch != UNSENT && this.epoch < shared.live && !shared.concurrent {
             return Poll::Ready(Some(Err(ReplayError::Superseded.into())));
         }
         // Once no retry can follow, only the live attempt reads.
@@ -656,6 +711,7 @@ impl<B> Clone for ReplayBody<B> {
             last: false,
             retry: false,
             waited: false,
+            hedge: false,
         }
     }
 }

@@ -63,6 +63,13 @@
 //! * The backoff is A6's: retry *n* waits
 //!   `random(0, min(initialBackoff · backoffMultiplier^(n-1), maxBackoff))`
 //!   ([`RetryPolicy::with_full_jitter`]), not the builder's ±20 %.
+//! * `hedgingPolicy` ([`HedgePolicy`]), with A6's validation: `maxAttempts`
+//!   an integer greater than 1 (above 5 it counts as 5); `hedgingDelay` a
+//!   duration, zero or absent sending every attempt at once;
+//!   `nonFatalStatusCodes` a list of codes, absent meaning none. A method
+//!   config with both `retryPolicy` and `hedgingPolicy` is an error. As in
+//!   A6, hedges are bounded by `retryThrottling` alone: the policy has no
+//!   extra-load cap of its own.
 //! * `timeout`: the method's deadline; a call's deadline is the sooner of it
 //!   and the caller's.
 //! * `retryThrottling`: `maxTokens` in `(0, 1000]`, `tokenRatio` greater than
@@ -78,8 +85,7 @@
 //! An invalid config is rejected whole (gRFC A21), with a
 //! [`ServiceConfigError`] naming the JSON path and the rule broken
 //! (`methodConfig[1].retryPolicy.maxAttempts: must be greater than 1, got 1`).
-//! Unknown fields are ignored; `hedgingPolicy` is reported as unsupported
-//! rather than dropped.
+//! Unknown fields are ignored.
 //!
 //! # Fields read but not applied
 //!
@@ -128,6 +134,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 use tonic::Code;
 
+use crate::hedge::HedgePolicy;
 use crate::methods::MethodPolicies;
 use crate::policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
 use crate::status::code_name;
@@ -190,7 +197,16 @@ const CONFIG_FIELDS_NOT_APPLIED: &[(&str, &str)] = &[
 #[derive(Clone, Debug, PartialEq)]
 struct MethodConfig {
     retry: Option<Retry>,
+    hedge: Option<Hedge>,
     timeout: Option<Duration>,
+}
+
+/// A validated `hedgingPolicy`.
+#[derive(Clone, Debug, PartialEq)]
+struct Hedge {
+    max_attempts: u32,
+    delay: Duration,
+    non_fatal: RetryableCodes,
 }
 
 /// A validated `retryPolicy`.
@@ -403,10 +419,21 @@ impl FromStr for ServiceConfig {
 
 impl MethodConfig {
     fn policy(&self, base: &RetryPolicy) -> RetryPolicy {
-        let mut policy = match &self.retry {
-            None => single_attempt(base),
-            Some(retry) => {
+        let mut policy = match (&self.retry, &self.hedge) {
+            (None, Some(hedge)) => {
+                let hedging = HedgePolicy::new(hedge.max_attempts, hedge.delay)
+                    .expect("a validated hedgingPolicy sends 2..=5 attempts")
+                    .with_non_fatal_codes(hedge.non_fatal)
+                    // A6 bounds hedges by throttling alone.
+                    .with_max_extra_load(None)
+                    .expect("no cap is a valid cap")
+                    .with_settings_of(base);
+                RetryPolicy::from(hedging)
+            }
+            (None, None) => single_attempt(base),
+            (Some(retry), _) => {
                 let mut policy = base.clone();
+                policy.hedge = None;
                 policy.max_attempts = retry.max_attempts;
                 policy.base_delay = retry.initial_backoff;
                 policy.max_delay = retry.max_backoff;
@@ -431,16 +458,11 @@ impl MethodConfig {
 fn single_attempt(base: &RetryPolicy) -> RetryPolicy {
     let mut policy = base.clone();
     policy.max_attempts = 1;
+    policy.hedge = None;
     policy
 }
 
 fn method_config(entry: &Map<String, Value>, path: &str) -> Result<MethodConfig> {
-    if field(entry, "hedgingPolicy", path)?.is_some() {
-        return Err(ServiceConfigError::new(
-            &format!("{path}.hedgingPolicy"),
-            "hedging is not supported by this layer",
-        ));
-    }
     let timeout = match field(entry, "timeout", path)? {
         Some(v) => {
             let path = format!("{path}.timeout");
@@ -452,7 +474,70 @@ fn method_config(entry: &Map<String, Value>, path: &str) -> Result<MethodConfig>
         Some(v) => Some(retry_policy(v, &format!("{path}.retryPolicy"))?),
         None => None,
     };
-    Ok(MethodConfig { retry, timeout })
+    let hedge = match field(entry, "hedgingPolicy", path)? {
+        Some(v) => Some(hedging_policy(v, &format!("{path}.hedgingPolicy"))?),
+        None => None,
+    };
+    if retry.is_some() && hedge.is_some() {
+        return Err(ServiceConfigError::new(
+            &format!("{path}.hedgingPolicy"),
+            "a method either retries or hedges (A6): retryPolicy and hedgingPolicy are both set",
+        ));
+    }
+    Ok(MethodConfig {
+        retry,
+        hedge,
+        timeout,
+    })
+}
+
+/// `maxAttempts` of a retry or hedging policy at `path`: an integer greater
+/// than 1, above 5 counted as 5 (A6).
+fn max_attempts(value: &Value, path: &str) -> Result<u32> {
+    let attempts = integer(value, path)?;
+    if attempts <= 1.0 {
+        return Err(ServiceConfigError::new(
+            path,
+            format!("must be greater than 1, got {attempts}"),
+        ));
+    }
+    Ok(if attempts >= f64::from(MAX_ATTEMPTS_LIMIT) {
+        MAX_ATTEMPTS_LIMIT
+    } else {
+        attempts as u32
+    })
+}
+
+/// A list of status codes at `path`.
+fn status_codes(value: &Value, path: &str) -> Result<(RetryableCodes, usize)> {
+    let list = array(value, path)?;
+    let mut codes = RetryableCodes::empty();
+    for (i, code) in list.iter().enumerate() {
+        codes = codes.with(status_code(code, &format!("{path}[{i}]"))?);
+    }
+    Ok((codes, list.len()))
+}
+
+fn hedging_policy(value: &Value, path: &str) -> Result<Hedge> {
+    let map = object(value, path)?;
+    let attempts_path = format!("{path}.maxAttempts");
+    let attempts = field(map, "maxAttempts", path)?
+        .ok_or_else(|| ServiceConfigError::new(&attempts_path, "is required"))?;
+    let max_attempts = max_attempts(attempts, &attempts_path)?;
+    // A6: a zero or absent delay sends every attempt at once.
+    let delay = match field(map, "hedgingDelay", path)? {
+        Some(v) => duration(v, &format!("{path}.hedgingDelay"), false)?,
+        None => Duration::ZERO,
+    };
+    let non_fatal = match field(map, "nonFatalStatusCodes", path)? {
+        Some(v) => status_codes(v, &format!("{path}.nonFatalStatusCodes"))?.0,
+        None => RetryableCodes::empty(),
+    };
+    Ok(Hedge {
+        max_attempts,
+        delay,
+        non_fatal,
+    })
 }
 
 fn retry_policy(value: &Value, path: &str) -> Result<Retry> {
@@ -462,20 +547,8 @@ fn retry_policy(value: &Value, path: &str) -> Result<Retry> {
             .ok_or_else(|| ServiceConfigError::new(&format!("{path}.{name}"), "is required"))
     };
 
-    let attempts_path = format!("{path}.maxAttempts");
-    let attempts = integer(required("maxAttempts")?, &attempts_path)?;
-    if attempts <= 1.0 {
-        return Err(ServiceConfigError::new(
-            &attempts_path,
-            format!("must be greater than 1, got {attempts}"),
-        ));
-    }
     // A6: values above 5 are treated as 5, not an error.
-    let max_attempts = if attempts >= f64::from(MAX_ATTEMPTS_LIMIT) {
-        MAX_ATTEMPTS_LIMIT
-    } else {
-        attempts as u32
-    };
+    let max_attempts = max_attempts(required("maxAttempts")?, &format!("{path}.maxAttempts"))?;
 
     let initial_backoff = duration(
         required("initialBackoff")?,
@@ -495,13 +568,9 @@ fn retry_policy(value: &Value, path: &str) -> Result<Retry> {
     }
 
     let codes_path = format!("{path}.retryableStatusCodes");
-    let list = array(required("retryableStatusCodes")?, &codes_path)?;
-    if list.is_empty() {
+    let (codes, listed) = status_codes(required("retryableStatusCodes")?, &codes_path)?;
+    if listed == 0 {
         return Err(ServiceConfigError::new(&codes_path, "must not be empty"));
-    }
-    let mut codes = RetryableCodes::empty();
-    for (i, code) in list.iter().enumerate() {
-        codes = codes.with(status_code(code, &format!("{codes_path}[{i}]"))?);
     }
 
     let per_attempt = match field(map, "perAttemptRecvTimeout", path)? {
@@ -997,9 +1066,33 @@ mod tests {
                 "not a duration",
             ),
             (
-                method(r#""hedgingPolicy": {"maxAttempts": 3}"#),
+                method(
+                    r#""hedgingPolicy": {"maxAttempts": 3}, "retryPolicy": {"maxAttempts": 2,
+                       "initialBackoff": "1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                       "retryableStatusCodes": [14]}"#,
+                ),
                 "methodConfig[0].hedgingPolicy",
-                "not supported",
+                "either retries or hedges",
+            ),
+            (
+                method(r#""hedgingPolicy": {"maxAttempts": 1}"#),
+                "methodConfig[0].hedgingPolicy.maxAttempts",
+                "greater than 1",
+            ),
+            (
+                method(r#""hedgingPolicy": {"hedgingDelay": "1s"}"#),
+                "methodConfig[0].hedgingPolicy.maxAttempts",
+                "is required",
+            ),
+            (
+                method(r#""hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "-1s"}"#),
+                "methodConfig[0].hedgingPolicy.hedgingDelay",
+                "negative",
+            ),
+            (
+                method(r#""hedgingPolicy": {"maxAttempts": 2, "nonFatalStatusCodes": ["NOPE"]}"#),
+                "methodConfig[0].hedgingPolicy.nonFatalStatusCodes[0]",
+                "status code",
             ),
             // retryThrottling (grpc-go: maxTokens in (0, 1000], tokenRatio > 0).
             (
@@ -1164,6 +1257,31 @@ mod tests {
             policy.retryable_codes().when(Code::ResourceExhausted),
             Some(crate::RetryWhen::Always)
         );
+    }
+
+    #[test]
+    fn a_hedging_policy_gives_a_hedging_method() {
+        let config = parse(&method(
+            r#""timeout": "2s", "hedgingPolicy": {"maxAttempts": 9, "hedgingDelay": "0.01s",
+               "nonFatalStatusCodes": ["UNAVAILABLE", "internal"]}"#,
+        ));
+        let base = RetryPolicy::default().with_idempotency_key(false);
+        let table = config.policies(&base);
+        let policy = table.policy_for("/foo/Bar");
+        assert_eq!(policy.hedge_delay(), Some(10 * MS));
+        assert_eq!(policy.max_attempts(), 5, "above five counts as five");
+        assert_eq!(policy.max_timeout(), Some(Duration::from_secs(2)));
+        let codes = policy.retryable_codes();
+        assert!(codes.contains(Code::Unavailable) && codes.contains(Code::Internal));
+        assert!(!codes.contains(Code::Aborted));
+        assert!(!policy.idempotency_key, "the base's settings");
+        // Another method is not retried, nor hedged.
+        assert_eq!(table.policy_for("/foo/Baz").hedge_delay(), None);
+        // No delay, no codes: all at once, and every code fatal.
+        let config = parse(&method(r#""hedgingPolicy": {"MaxAttempts": 3}"#));
+        let policy = config.policies(&base).policy_for("/foo/Bar").clone();
+        assert_eq!(policy.hedge_delay(), Some(Duration::ZERO));
+        assert_eq!(policy.retryable_codes(), RetryableCodes::empty());
     }
 
     #[test]

@@ -1,0 +1,531 @@
+//! The hedge driver: one hedged call's attempts, side by side.
+//!
+//! tower's `Retry` sends one attempt after another, so hedging has a driver
+//! of its own. It shares the rest with retries: each attempt is an
+//! [`AttemptFuture`] (readiness under the attempt's timer, the token taken at
+//! send, `grpc-timeout` rewritten, the timers read as one), outcomes are
+//! classified by [`classify`](crate::classify), and the request body is the
+//! call's [`ReplayBody`], read by its attempts side by side.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tonic::Code;
+use tower_service::Service;
+
+use crate::attempt::{Attempt, AttemptFuture, Cut, Failure};
+use crate::body::{Credit, ResponseBody};
+use crate::budget::Budget;
+use crate::call::{failure_response, mark_given_up, no_response_message, previous_attempts};
+use crate::classify::{
+    Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
+};
+use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS, PickedInstance};
+use crate::metrics::Event;
+use crate::policy::RetryPolicy;
+use crate::replay::ReplayBody;
+use crate::shared::Shared;
+use crate::status::{code_name, status_response};
+
+/// The balancer's report of one attempt's instance.
+type Slot = Arc<Mutex<Option<HeaderValue>>>;
+
+/// An attempt in flight.
+struct InFlight<F> {
+    future: Pin<Box<F>>,
+    /// 1 for the call's first attempt.
+    number: u32,
+    slot: Slot,
+}
+
+/// How the last attempt that failed non-fatally ended: what the caller gets
+/// if no attempt commits.
+enum Last {
+    Response {
+        status: StatusCode,
+        headers: HeaderMap,
+    },
+    Status {
+        code: Code,
+        message: String,
+    },
+}
+
+pin_project! {
+    /// One hedged call: see the [module docs](crate::hedge).
+    pub(crate) struct HedgeFuture<S, B, Bu>
+    where
+        S: Service<Request<B>>,
+    {
+        attempt: Attempt<S, B, Bu>,
+        shared: Arc<Shared<Bu>>,
+        policy: usize,
+        // The request each attempt is a copy of; dropped once no more
+        // attempts can be sent, which lets its body's copy go.
+        template: Option<Request<ReplayBody<B>>>,
+        inflight: Vec<InFlight<AttemptFuture<S, B, Bu>>>,
+        // When the next hedge is due, if not now.
+        timer: Option<Pin<Box<Sleep>>>,
+        // A hedge is due now (the first attempt, or after a non-fatal answer).
+        due: bool,
+        // Attempts started.
+        started: u32,
+        // Attempts that reached the inner service.
+        sent: u32,
+        // No more hedges: pushback said so, the budget or the cap refused,
+        // the body cannot be sent again, or the time is up.
+        frozen: bool,
+        deadline: Option<Instant>,
+        // Instances that failed this call.
+        failed: AlreadyTried,
+        last: Option<Last>,
+        // Why the last attempt that was never sent was not, for a call none
+        // of whose attempts was.
+        unsent: Option<Failure>,
+    }
+}
+
+impl<S, B, Bu> HedgeFuture<S, B, Bu>
+where
+    S: Service<Request<B>>,
+{
+    pub(crate) fn new(
+        attempt: Attempt<S, B, Bu>,
+        shared: Arc<Shared<Bu>>,
+        policy: usize,
+        request: Request<ReplayBody<B>>,
+        deadline: Option<Instant>,
+        tried: AlreadyTried,
+    ) -> Self {
+        // Hedges read the body side by side with the attempt before them.
+        request.body().set_concurrent();
+        Self {
+            attempt: attempt.without_report(),
+            shared,
+            policy,
+            template: Some(request),
+            inflight: Vec::new(),
+            timer: None,
+            due: true,
+            started: 0,
+            sent: 0,
+            frozen: false,
+            deadline,
+            failed: tried,
+            last: None,
+            unsent: None,
+        }
+    }
+}
+
+/// What one attempt's outcome means for the call.
+enum Judged<RB> {
+    /// The caller gets this: a normal response, `OK`, or a fatal status.
+    Commit(Response<ResponseBody<RB>>),
+    /// Non-fatal: hedge again, at once or after the server's delay; `stop`
+    /// when the server asked for no more.
+    NonFatal { delay: Option<Duration>, stop: bool },
+    /// Never sent (no time, no token, no ready service, no body): no server
+    /// answered it, and no more hedges can go either.
+    Unsent(Failure),
+    /// The call's deadline passed.
+    Deadline,
+}
+
+impl<S, B, RB, Bu> Future for HedgeFuture<S, B, Bu>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    B: From<ReplayBody<B>> + Send + 'static,
+    Bu: Budget,
+{
+    type Output = Response<ResponseBody<RB>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let policy = this.shared.policies.get(*this.policy);
+        let plan = policy.hedge.as_deref().expect("a hedged call has a plan");
+        loop {
+            let mut progressed = false;
+
+            // The attempts in flight, in the order they were sent.
+            let mut i = 0;
+            while i < this.inflight.len() {
+                let Poll::Ready(outcome) = this.inflight[i].future.as_mut().poll(cx) else {
+                    i += 1;
+                    continue;
+                };
+                progressed = true;
+                let done = this.inflight.remove(i);
+                let picked = done
+                    .slot
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                let judged = judge(
+                    outcome,
+                    policy,
+                    this.shared,
+                    picked,
+                    done.number,
+                    this.sent,
+                    this.failed,
+                    this.last,
+                );
+                match judged {
+                    Judged::Commit(response) => {
+                        // NOTE: dropping the other attempts' futures cancels
+                        // their HTTP streams; dropping the template lets the
+                        // body's copy go once the winner has sent it.
+                        this.inflight.clear();
+                        *this.template = None;
+                        return Poll::Ready(response);
+                    }
+                    Judged::NonFatal { delay, stop } => {
+                        if stop {
+                            *this.frozen = true;
+                        }
+                        match delay {
+                            // A server-given delay longer than the layer
+                            // waits, or than the time left, ends the hedging.
+                            Some(d) if d > policy.max_server_delay => *this.frozen = true,
+                            Some(d) if !d.is_zero() => {
+                                let at = Instant::now() + d;
+                                if this.deadline.is_some_and(|end| at >= end) {
+                                    *this.frozen = true;
+                                }
+                                *this.timer = Some(Box::pin(tokio::time::sleep_until(at)));
+                                *this.due = false;
+                            }
+                            // A6: a non-fatal answer sends the next hedge now.
+                            _ => *this.due = true,
+                        }
+                    }
+                    Judged::Unsent(failure) => {
+                        *this.frozen = true;
+                        *this.unsent = Some(failure);
+                    }
+                    Judged::Deadline => {
+                        this.inflight.clear();
+                        *this.template = None;
+                        return Poll::Ready(status_response(
+                            Code::DeadlineExceeded,
+                            "call deadline exceeded while its hedged attempts were in flight",
+                        ));
+                    }
+                }
+            }
+
+            // The next hedge's time.
+            if !*this.due
+                && let Some(timer) = this.timer.as_mut()
+                && timer.as_mut().poll(cx).is_ready()
+            {
+                *this.timer = None;
+                *this.due = true;
+            }
+
+            // Send the next attempt, if one is due and may go.
+            if *this.due && !*this.frozen && *this.started < policy.max_attempts {
+                match may_hedge(this.template, *this.started, plan, cx) {
+                    Poll::Ready(true) => {
+                        let template = this.template.as_ref().expect("checked by may_hedge");
+                        let request = next_request(
+                            template,
+                            *this.started,
+                            this.failed,
+                            this.inflight,
+                            policy,
+                        );
+                        let number = *this.started + 1;
+                        let slot: Slot = Arc::default();
+                        let mut request = request;
+                        if policy.instance_header.is_some() {
+                            request
+                                .extensions_mut()
+                                .insert(PickedInstance::from_slot(slot.clone()));
+                        }
+                        let future = this.attempt.call(request);
+                        this.inflight.push(InFlight {
+                            future: Box::pin(future),
+                            number,
+                            slot,
+                        });
+                        *this.started = number;
+                        // No delay means no timer: a zero-length one would
+                        // still wait for the timer's next tick.
+                        *this.due = plan.delay.is_zero();
+                        *this.timer = (!plan.delay.is_zero())
+                            .then(|| Box::pin(tokio::time::sleep(plan.delay)));
+                        progressed = true;
+                    }
+                    Poll::Ready(false) => *this.frozen = true,
+                    // Waiting for the body to be complete: woken when an
+                    // attempt reads more of it.
+                    Poll::Pending => {}
+                }
+            }
+
+            if this.inflight.is_empty() {
+                let more = !*this.frozen
+                    && *this.started < policy.max_attempts
+                    && this
+                        .template
+                        .as_ref()
+                        .is_some_and(|t| t.body().is_hedgeable());
+                if !more {
+                    *this.template = None;
+                    let unsent = this.unsent.take();
+                    return Poll::Ready(give_up(
+                        this.last.take(),
+                        unsent,
+                        *this.sent,
+                        policy,
+                        this.shared,
+                    ));
+                }
+            }
+            if !progressed {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+/// Whether the attempt after `started` ones may be sent now: the first always
+/// may; a hedge needs the body complete and within the replay limit, and a
+/// place under the policy's extra-load cap.
+fn may_hedge<B>(
+    template: &Option<Request<ReplayBody<B>>>,
+    started: u32,
+    plan: &crate::hedge::HedgePlan,
+    cx: &Context<'_>,
+) -> Poll<bool> {
+    let Some(template) = template else {
+        return Poll::Ready(false);
+    };
+    if started == 0 {
+        if let Some((_, account)) = &plan.extra_load {
+            // Every call earns its fraction of a hedge.
+            account.deposit();
+        }
+        return Poll::Ready(true);
+    }
+    match template.body().poll_complete(cx) {
+        Poll::Pending => return Poll::Pending,
+        Poll::Ready(Err(_)) => return Poll::Ready(false),
+        Poll::Ready(Ok(())) => {}
+    }
+    Poll::Ready(match &plan.extra_load {
+        Some((_, account)) => account.try_withdraw(),
+        None => true,
+    })
+}
+
+/// The request for the attempt after `started` ones: a copy of the
+/// template, numbered, naming the instances the call has in flight or that
+/// failed it, paid for if it is a hedge.
+fn next_request<B, F>(
+    template: &Request<ReplayBody<B>>,
+    started: u32,
+    failed: &AlreadyTried,
+    inflight: &[InFlight<F>],
+    policy: &RetryPolicy,
+) -> Request<ReplayBody<B>> {
+    let mut body = template.body().clone();
+    if started > 0 {
+        body.set_hedge();
+    }
+    let mut req = Request::new(body);
+    *req.method_mut() = template.method().clone();
+    *req.uri_mut() = template.uri().clone();
+    *req.version_mut() = template.version();
+    *req.headers_mut() = template.headers().clone();
+    *req.extensions_mut() = template.extensions().clone();
+    if started == 0 {
+        return req;
+    }
+    // A6: hedge k carries the number of attempts sent before it.
+    req.headers_mut()
+        .insert(PREVIOUS_ATTEMPTS, previous_attempts(started));
+    let mut tried = failed.clone();
+    if policy.instance_header.is_some() {
+        for attempt in inflight {
+            if let Some(id) = attempt
+                .slot
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+            {
+                tried.record(id);
+            }
+        }
+    }
+    if !tried.is_empty() {
+        if let Some(value) = tried.to_header() {
+            req.headers_mut().insert(ALREADY_TRIED, value);
+        }
+        req.extensions_mut().insert(tried);
+    }
+    req
+}
+
+/// What an attempt's outcome means for the call, with its bookkeeping: the
+/// attempt counted, the budget charged or credited, the failed instance
+/// recorded, the last failure kept.
+#[allow(clippy::too_many_arguments)]
+fn judge<RB, Bu: Budget>(
+    outcome: Result<Response<ResponseBody<RB>>, Failure>,
+    policy: &RetryPolicy,
+    shared: &Arc<Shared<Bu>>,
+    picked: Option<HeaderValue>,
+    number: u32,
+    sent: &mut u32,
+    failed: &mut AlreadyTried,
+    last: &mut Option<Last>,
+) -> Judged<RB> {
+    let non_fatal = policy.retryable;
+    let (verdict, response) = match outcome {
+        Err(
+            failure @ (Failure::Cut { sent: false, .. }
+            | Failure::NotReady(_)
+            | Failure::NoBudget
+            | Failure::Unreplayable(_)),
+        ) => {
+            tracing::debug!(attempt = number, "attempt not sent");
+            if matches!(failure, Failure::NoBudget) {
+                shared.metrics.record(Event::RefusedByBudget);
+            }
+            return Judged::Unsent(failure);
+        }
+        Err(Failure::Cut {
+            why: Cut::Deadline, ..
+        }) => {
+            *sent += 1;
+            shared.metrics.record(Event::Attempt);
+            return Judged::Deadline;
+        }
+        Err(Failure::Cut { why, sent: true }) => {
+            *sent += 1;
+            let verdict = classify_timeout(non_fatal);
+            if matches!(verdict, Verdict::Final(_)) {
+                shared.metrics.record(Event::Attempt);
+                return Judged::Commit(status_response(Code::DeadlineExceeded, why.message()));
+            }
+            *last = Some(Last::Status {
+                code: Code::DeadlineExceeded,
+                message: why.message(),
+            });
+            (verdict, None)
+        }
+        Err(Failure::Transport(error)) => {
+            *sent += 1;
+            let verdict = classify_error(non_fatal);
+            let message = no_response_message(number, &describe(&*error));
+            if matches!(verdict, Verdict::Final(_)) {
+                shared.metrics.record(Event::Attempt);
+                return Judged::Commit(status_response(Code::Unavailable, message));
+            }
+            *last = Some(Last::Status {
+                code: Code::Unavailable,
+                message,
+            });
+            (verdict, None)
+        }
+        Ok(response) => {
+            *sent += 1;
+            let verdict = classify_response(response.status(), response.headers(), non_fatal);
+            (verdict, Some(response))
+        }
+    };
+    shared.metrics.record(Event::Attempt);
+    let code = verdict.code();
+    let non_fatal_code = non_fatal.contains(code) && code != Code::Ok;
+    let (delay, stop) = match verdict {
+        Verdict::Committed | Verdict::Final(_) if !non_fatal_code => {
+            let mut response = response.expect("a verdict on a response");
+            if verdict == Verdict::Committed {
+                response
+                    .body_mut()
+                    .credit_on_ok(Arc::clone(shared) as Arc<dyn Credit>);
+            } else {
+                if code == Code::Ok {
+                    Budget::deposit(&shared.budget);
+                }
+                repair_status_details(response.headers_mut());
+            }
+            tracing::debug!(attempt = number, code = code_name(code), "committed");
+            return Judged::Commit(response);
+        }
+        // A non-fatal code whose pushback says "no more" (junk, or the
+        // negative mark of a layer below).
+        Verdict::Committed | Verdict::Final(_) | Verdict::RetriedBelow(_) => (None, true),
+        Verdict::Retryable { server_delay, .. } => (server_delay, false),
+    };
+    // A6: non-fatal answers (and "do not retry" pushback) charge throttling.
+    shared.budget.on_retryable_failure();
+    let header = policy.instance_header.as_ref();
+    let instance = response
+        .as_ref()
+        .and_then(|r| header.and_then(|h| r.headers().get(h)).cloned())
+        .or(picked);
+    if let Some(id) = &instance {
+        failed.record(id);
+    }
+    if let Some(mut response) = response {
+        *last = Some(Last::Response {
+            status: response.status(),
+            headers: std::mem::take(response.headers_mut()),
+        });
+    }
+    tracing::debug!(
+        attempt = number,
+        code = code_name(code),
+        instance = instance.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
+        delay = ?delay,
+        stop,
+        "non-fatal: hedging"
+    );
+    Judged::NonFatal { delay, stop }
+}
+
+/// The call's end when no attempt committed: the last non-fatal failure,
+/// marked "do not retry" for the layers above if a hedge was sent (§11).
+fn give_up<RB, Bu>(
+    last: Option<Last>,
+    unsent: Option<Failure>,
+    sent: u32,
+    policy: &RetryPolicy,
+    shared: &Shared<Bu>,
+) -> Response<ResponseBody<RB>> {
+    let mut response = match last {
+        Some(Last::Response {
+            status,
+            mut headers,
+        }) => {
+            repair_status_details(&mut headers);
+            let mut response = Response::new(ResponseBody::empty());
+            *response.status_mut() = status;
+            *response.headers_mut() = headers;
+            response
+        }
+        Some(Last::Status { code, message }) => status_response(code, message),
+        None => match unsent {
+            Some(Failure::Cut { why, .. }) => status_response(
+                Code::DeadlineExceeded,
+                format!("{} before the call could be sent", why.message()),
+            ),
+            Some(failure) => failure_response(&failure, sent.max(1)),
+            None => status_response(Code::Unavailable, "no attempt of the call could be sent"),
+        },
+    };
+    if policy.retry_at_one_layer && sent > 1 {
+        mark_given_up(&mut response, &shared.metrics);
+    }
+    response
+}

@@ -1,0 +1,297 @@
+//! Hedging: when an attempt is slow, send another copy to another instance
+//! and take the first good answer (gRPC A6's `hedgingPolicy`).
+//!
+//! Retries fix failures; they do not fix slowness. A call stuck on a slow
+//! instance waits out its deadline while the other instances idle. A
+//! [`HedgePolicy`] sends the first attempt at once and, while no attempt has
+//! committed, another every hedging delay, up to `max_attempts`; the first
+//! attempt to commit wins and the others are cancelled.
+//!
+//! * **What commits:** response headers that start a normal response, or a
+//!   status that is *fatal* (not among the non-fatal codes). A *non-fatal*
+//!   answer (by default `UNAVAILABLE`, and no response at all) commits
+//!   nothing: the next hedge goes at once instead of waiting out its delay.
+//!   When every attempt failed non-fatally, the call fails with the last one.
+//! * **Pushback:** `grpc-retry-pushback-ms: n` on a non-fatal answer delays
+//!   the next hedge to `n` ms from then; a negative value stops hedging (the
+//!   attempts in flight go on).
+//! * **Paid for:** each hedge after the first attempt takes a token from the
+//!   layer's budget when it is sent (with [`RetryThrottle`](crate::RetryThrottle),
+//!   only while it allows retries), and the policy's extra-load cap bounds
+//!   hedges to a fraction of its calls however large the budget.
+//! * **Elsewhere:** every hedge carries the call's idempotency key,
+//!   `grpc-previous-rpc-attempts`, and an already-tried mark naming the
+//!   instances the call has in flight or that failed, so
+//!   [`PreferUntried`](crate::balance::PreferUntried) sends it to another
+//!   instance.
+//! * **Under the deadline** as every attempt is: sent with `grpc-timeout` set
+//!   to the time left, and none with less than the minimum attempt budget.
+//! * **Bodies:** a hedge replays the request's copy, so it is sent only once
+//!   the body is complete and within the replay limit; a body still streaming
+//!   is not hedged, and nothing waits for it.
+//!
+//! A method either retries or hedges, never both (A6).
+
+mod future;
+
+pub(crate) use future::HedgeFuture;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::Code;
+
+use crate::budget::RetryBudget;
+use crate::error::ConfigError;
+use crate::policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
+
+/// How a hedged call hedges: see the [module docs](self).
+///
+/// Made by [`HedgePolicy::new`], refined with the `with_*` settings, and used
+/// wherever a [`RetryPolicy`] is: [`RetryLayer::new`](crate::RetryLayer::new),
+/// or a [`MethodPolicies`](crate::MethodPolicies) entry. The settings a hedge
+/// shares with a retry (the deadline, the per-attempt timeout, the minimum
+/// attempt budget, the replay limit, the idempotency key, the instance header,
+/// retry at one layer) are [`RetryPolicy`]'s defaults unless taken from one
+/// with [`with_settings_of`](Self::with_settings_of).
+///
+/// | setting | default |
+/// |---|---|
+/// | `max_attempts` (the first included) | as given, 2..=5 |
+/// | hedging delay | as given (zero sends every attempt at once) |
+/// | non-fatal codes | `UNAVAILABLE` (and no response at all) |
+/// | extra-load cap | 5 % of the policy's calls |
+///
+/// ```
+/// use std::time::Duration;
+/// use tonic_retry::{HedgePolicy, MethodPolicies, RetryPolicy};
+///
+/// # fn main() -> Result<(), tonic_retry::ConfigError> {
+/// let reads = HedgePolicy::new(3, Duration::from_millis(10))?
+///     .with_settings_of(&RetryPolicy::default().with_total_timeout(Duration::from_secs(1)));
+/// let policies = MethodPolicies::with_default(RetryPolicy::default())
+///     .with_method("library.v1.Library", "GetBook", reads)?;
+/// let get_book = policies.policy_for("/library.v1.Library/GetBook");
+/// assert_eq!(get_book.hedge_delay(), Some(Duration::from_millis(10)));
+/// assert_eq!(policies.policy_for("/library.v1.Library/ReserveStock").hedge_delay(), None);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct HedgePolicy {
+    /// The shared settings, with the hedge's attempts in `max_attempts` and
+    /// its non-fatal codes in `retryable`; `hedge` is always set.
+    policy: RetryPolicy,
+}
+
+/// The default extra-load cap: hedges at most this fraction of calls.
+const DEFAULT_MAX_EXTRA_LOAD: f64 = 0.05;
+
+/// The hedges the extra-load account can save up for a burst.
+const EXTRA_LOAD_BURST: u32 = 10;
+
+/// What a hedging policy adds to a [`RetryPolicy`]'s settings.
+pub(crate) struct HedgePlan {
+    pub(crate) delay: Duration,
+    /// The extra-load cap, as a fraction of calls, and the account that
+    /// keeps hedges to it: every call deposits the fraction, every hedge
+    /// takes one. `None`: no cap but the budget's.
+    pub(crate) extra_load: Option<(f64, RetryBudget)>,
+}
+
+impl fmt::Debug for HedgePlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HedgePlan")
+            .field("delay", &self.delay)
+            .field("max_extra_load", &self.extra_load.as_ref().map(|(f, _)| f))
+            .finish()
+    }
+}
+
+impl HedgePlan {
+    fn new(delay: Duration, max_extra_load: Option<f64>) -> Self {
+        let extra_load = max_extra_load.map(|fraction| {
+            let account = RetryBudget::new(EXTRA_LOAD_BURST, fraction.max(0.001))
+                .expect("a fraction of at least 0.001, below the burst, is a valid budget");
+            (fraction, account)
+        });
+        Self { delay, extra_load }
+    }
+}
+
+impl HedgePolicy {
+    /// A policy sending up to `max_attempts` attempts (the first included),
+    /// one more every `delay` while none has committed; a zero `delay` sends
+    /// them all at once.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming `max_attempts` unless it is within `2..=5`.
+    pub fn new(max_attempts: u32, delay: Duration) -> Result<Self, ConfigError> {
+        if !(2..=MAX_ATTEMPTS_LIMIT).contains(&max_attempts) {
+            return Err(ConfigError::new(
+                "max_attempts",
+                format!(
+                    "a hedging policy sends 2..={MAX_ATTEMPTS_LIMIT} attempts (the first counts), got {max_attempts}"
+                ),
+            ));
+        }
+        let policy = RetryPolicy {
+            max_attempts,
+            retryable: RetryableCodes::empty().with(Code::Unavailable),
+            hedge: Some(Arc::new(HedgePlan::new(
+                delay,
+                Some(DEFAULT_MAX_EXTRA_LOAD),
+            ))),
+            ..RetryPolicy::default()
+        };
+        Ok(Self { policy })
+    }
+
+    /// The codes that commit nothing: an attempt ending with one of them lets
+    /// the next hedge go at once. Every other code is fatal, ends the call
+    /// with it, and cancels the other attempts.
+    #[must_use]
+    pub fn with_non_fatal_codes(mut self, codes: RetryableCodes) -> Self {
+        self.policy.retryable = codes;
+        self
+    }
+
+    /// Hedges at most `fraction` of this policy's calls (default 0.05: 5 %),
+    /// whatever the budget allows; a burst of up to 10 hedges may be saved
+    /// up. `None` leaves only the budget to bound them.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming `max_extra_load` unless `fraction` is a number
+    /// in `0.001..=4.0` (four hedges a call is the most five attempts send).
+    pub fn with_max_extra_load(mut self, fraction: Option<f64>) -> Result<Self, ConfigError> {
+        if let Some(fraction) = fraction
+            && !(0.001..=f64::from(MAX_ATTEMPTS_LIMIT - 1)).contains(&fraction)
+        {
+            return Err(ConfigError::new(
+                "max_extra_load",
+                format!("must be a fraction of calls within 0.001..=4, got {fraction}"),
+            ));
+        }
+        let delay = self.delay();
+        self.policy.hedge = Some(Arc::new(HedgePlan::new(delay, fraction)));
+        Ok(self)
+    }
+
+    /// Takes from `policy` every setting a hedge shares with a retry: the
+    /// total and longest timeouts, the per-attempt timeout, the minimum
+    /// attempt budget, the longest server-given delay, the replay limit, the
+    /// idempotency key, the instance header and retry at one layer.
+    #[must_use]
+    pub fn with_settings_of(mut self, policy: &RetryPolicy) -> Self {
+        let hedge = self.policy.hedge.take();
+        let (attempts, codes) = (self.policy.max_attempts, self.policy.retryable);
+        self.policy = policy.clone();
+        self.policy.hedge = hedge;
+        self.policy.max_attempts = attempts;
+        self.policy.retryable = codes;
+        self
+    }
+
+    /// The most attempts a call sends, the first included.
+    pub fn max_attempts(&self) -> u32 {
+        self.policy.max_attempts
+    }
+
+    /// The time between one attempt and the next hedge.
+    pub fn delay(&self) -> Duration {
+        self.plan().delay
+    }
+
+    /// The codes that commit nothing.
+    pub fn non_fatal_codes(&self) -> RetryableCodes {
+        self.policy.retryable
+    }
+
+    /// The extra-load cap, as a fraction of calls, if any.
+    pub fn max_extra_load(&self) -> Option<f64> {
+        self.plan()
+            .extra_load
+            .as_ref()
+            .map(|(fraction, _)| *fraction)
+    }
+
+    fn plan(&self) -> &HedgePlan {
+        self.policy
+            .hedge
+            .as_deref()
+            .expect("a hedging policy has a plan")
+    }
+}
+
+impl From<HedgePolicy> for RetryPolicy {
+    /// The hedging policy as the layer carries it: a [`RetryPolicy`] whose
+    /// [`hedge_delay`](RetryPolicy::hedge_delay) is set, its
+    /// [`max_attempts`](RetryPolicy::max_attempts) the hedge's, and its
+    /// [`retryable_codes`](RetryPolicy::retryable_codes) the non-fatal ones.
+    fn from(policy: HedgePolicy) -> Self {
+        policy.policy
+    }
+}
+
+impl From<HedgePolicy> for crate::MethodPolicies {
+    /// A table where `policy` is the default for every method.
+    fn from(policy: HedgePolicy) -> Self {
+        Self::with_default(policy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attempts_are_within_a6s_limits() {
+        for bad in [0, 1, 6, u32::MAX] {
+            let e = HedgePolicy::new(bad, Duration::ZERO).unwrap_err();
+            assert_eq!(e.field(), "max_attempts");
+        }
+        for good in 2..=5 {
+            let p = HedgePolicy::new(good, Duration::from_millis(5)).unwrap();
+            assert_eq!(p.max_attempts(), good);
+            assert_eq!(p.delay(), Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn defaults_and_settings() {
+        let p = HedgePolicy::new(3, Duration::from_millis(10)).unwrap();
+        assert_eq!(
+            p.non_fatal_codes(),
+            RetryableCodes::empty().with(Code::Unavailable)
+        );
+        assert_eq!(p.max_extra_load(), Some(0.05));
+        let p = p.with_max_extra_load(None).unwrap();
+        assert_eq!(p.max_extra_load(), None);
+        for bad in [0.0, -1.0, 4.5, f64::NAN, f64::INFINITY] {
+            let e = HedgePolicy::new(3, Duration::ZERO)
+                .unwrap()
+                .with_max_extra_load(Some(bad))
+                .unwrap_err();
+            assert_eq!(e.field(), "max_extra_load");
+        }
+        let base = RetryPolicy::default()
+            .with_total_timeout(Duration::from_secs(2))
+            .with_idempotency_key(false);
+        let p = HedgePolicy::new(4, Duration::from_millis(7))
+            .unwrap()
+            .with_settings_of(&base);
+        let carried = RetryPolicy::from(p);
+        assert_eq!(
+            carried.max_attempts(),
+            4,
+            "the hedge's attempts, not the base's"
+        );
+        assert_eq!(carried.hedge_delay(), Some(Duration::from_millis(7)));
+        assert_eq!(carried.total_timeout, Some(Duration::from_secs(2)));
+        assert!(!carried.idempotency_key);
+        assert_eq!(RetryPolicy::default().hedge_delay(), None);
+    }
+}

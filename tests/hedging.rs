@@ -1,0 +1,429 @@
+//! Hedging (SPEC §13), one behaviour a test, under paused time: the
+//! schedule, what commits, non-fatal answers, pushback, the budget and the
+//! extra-load cap, the deadline, what every hedge carries, bodies, and the
+//! call's end.
+
+mod support;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderValue, Request, Response};
+use http_body_util::BodyExt;
+use support::*;
+use tokio::time::Instant;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer, RetryPolicy, RetryService};
+use tower::{BoxError, Layer, Service, ServiceExt};
+use tower_test::mock;
+
+/// Marks its attempt's future dropped.
+struct Flag(Arc<AtomicBool>);
+
+impl Drop for Flag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The mock, with a flag per attempt that says its future was dropped: the
+/// attempt was cancelled (or finished).
+#[derive(Clone)]
+struct Watched {
+    inner: mock::Mock<Request<Body>, Response<Body>>,
+    dropped: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
+}
+
+impl Service<Request<Body>> for Watched {
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let flag = Arc::new(AtomicBool::new(false));
+        self.dropped.lock().unwrap().push(flag.clone());
+        let future = self.inner.call(req);
+        Box::pin(async move {
+            let _flag = Flag(flag);
+            future.await
+        })
+    }
+}
+
+type Hedged = RetryService<Watched>;
+
+struct Setup {
+    svc: Hedged,
+    handle: Handle,
+    layer: RetryLayer,
+    dropped: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
+}
+
+fn hedged(policy: HedgePolicy, budget: RetryBudget) -> Setup {
+    let layer = RetryLayer::new(policy, budget);
+    let (inner, handle) = mock::pair();
+    let dropped = Arc::default();
+    let watched = Watched {
+        inner,
+        dropped: Arc::clone(&dropped),
+    };
+    Setup {
+        svc: layer.layer(watched),
+        handle,
+        layer,
+        dropped,
+    }
+}
+
+fn policy(attempts: u32, delay_ms: u64) -> HedgePolicy {
+    HedgePolicy::new(attempts, Duration::from_millis(delay_ms))
+        .unwrap()
+        .with_max_extra_load(None)
+        .unwrap()
+}
+
+async fn start(
+    setup: &mut Setup,
+    req: Request<Body>,
+) -> tokio::task::JoinHandle<Result<Response<tonic_retry::ResponseBody<Body>>, BoxError>> {
+    let svc = setup.svc.ready().await.expect("never holds the caller");
+    tokio::spawn(svc.call(req))
+}
+
+/// The next attempt, and when it arrived.
+async fn arrives(
+    handle: &mut Handle,
+) -> (Request<Body>, mock::SendResponse<Response<Body>>, Instant) {
+    next(handle).await
+}
+
+fn nothing_more(handle: &mut Handle) -> bool {
+    handle.next_request().now_or_never().is_none()
+}
+
+fn dropped(setup: &Setup, attempt: usize) -> bool {
+    setup.dropped.lock().unwrap()[attempt].load(Ordering::SeqCst)
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_is_sent_every_delay_up_to_max_attempts() {
+    let mut s = hedged(policy(3, 10), budget());
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    let (_, _a1, at1) = arrives(&mut s.handle).await;
+    let (_, _a2, at2) = arrives(&mut s.handle).await;
+    let (_, a3, at3) = arrives(&mut s.handle).await;
+    assert_eq!(at1 - t0, Duration::ZERO, "the first at once");
+    assert_eq!(at2 - t0, 10 * MS);
+    assert_eq!(at3 - t0, 20 * MS);
+    tokio::time::sleep(100 * MS).await;
+    assert!(nothing_more(&mut s.handle), "no more than max_attempts");
+    a3.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(s.layer.metrics().hedges(), 2);
+    assert_eq!(s.layer.metrics().retries(), 0, "hedges are not retries");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_zero_delay_sends_every_attempt_at_once() {
+    let mut s = hedged(policy(3, 0), budget());
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    for _ in 0..3 {
+        let (_, send, at) = arrives(&mut s.handle).await;
+        assert_eq!(at, t0);
+        drop(send);
+    }
+    assert!(nothing_more(&mut s.handle));
+    call.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn headers_commit_and_the_other_attempts_are_cancelled() {
+    let mut s = hedged(policy(3, 10), budget());
+    let call = start(&mut s, request()).await;
+    let (_, _slow, _) = arrives(&mut s.handle).await;
+    let (_, fast, _) = arrives(&mut s.handle).await;
+    fast.send_response(answer(Code::Ok));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(read_to_end(response).await, Code::Ok);
+    assert!(dropped(&s, 0), "the slow attempt is cancelled");
+    tokio::time::sleep(100 * MS).await;
+    assert!(nothing_more(&mut s.handle), "no hedge after the commit");
+    // The committed call ended OK: the budget earned its deposit.
+    assert_eq!(s.layer.budget().available(), 99.1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fatal_status_commits_too() {
+    let mut s = hedged(policy(3, 10), budget());
+    let call = start(&mut s, request()).await;
+    let (_, _a1, _) = arrives(&mut s.handle).await;
+    let (_, a2, _) = arrives(&mut s.handle).await;
+    a2.send_response(status(Code::NotFound));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::NotFound);
+    assert!(dropped(&s, 0), "the other attempt is cancelled");
+    assert!(nothing_more(&mut s.handle));
+    assert_eq!(
+        s.layer.metrics().marked(),
+        0,
+        "a fatal answer is not marked"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_non_fatal_answer_sends_the_next_hedge_at_once() {
+    let mut s = hedged(policy(3, 50), budget());
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    let (_, a1, _) = arrives(&mut s.handle).await;
+    tokio::time::sleep(5 * MS).await;
+    a1.send_response(status(Code::Unavailable));
+    let (_, a2, at2) = arrives(&mut s.handle).await;
+    assert_eq!(at2 - t0, 5 * MS, "not after the 50 ms delay");
+    // The next hedge resumes the delay from there.
+    let (_, a3, at3) = arrives(&mut s.handle).await;
+    assert_eq!(at3 - t0, 55 * MS);
+    a3.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    drop(a2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pushback_delays_the_next_hedge_or_stops_hedging() {
+    // n ms: the next hedge n ms after the answer.
+    let mut s = hedged(policy(3, 50), budget());
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    let (_, a1, _) = arrives(&mut s.handle).await;
+    let mut pushed = status(Code::Unavailable);
+    pushed
+        .headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("30"));
+    a1.send_response(pushed);
+    let (_, a2, at2) = arrives(&mut s.handle).await;
+    assert_eq!(at2 - t0, 30 * MS);
+    a2.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    // −1: no more hedges; the attempts in flight go on.
+    let mut s = hedged(policy(3, 10), budget());
+    let call = start(&mut s, request()).await;
+    let (_, a1, _) = arrives(&mut s.handle).await;
+    let (_, a2, _) = arrives(&mut s.handle).await;
+    let mut stop = status(Code::Unavailable);
+    stop.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("-1"));
+    a2.send_response(stop);
+    tokio::time::sleep(100 * MS).await;
+    assert!(nothing_more(&mut s.handle), "no third attempt");
+    assert!(!dropped(&s, 0), "the first attempt goes on");
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_token_no_hedge() {
+    // Half of one token: the first attempt goes, no hedge can be paid for.
+    let poor = RetryBudget::new(1, 0.001).unwrap();
+    let mut s = hedged(policy(3, 10), poor);
+    let call = start(&mut s, request()).await;
+    let (_, a1, _) = arrives(&mut s.handle).await;
+    tokio::time::sleep(100 * MS).await;
+    assert!(nothing_more(&mut s.handle), "no hedge without a token");
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(s.layer.metrics().hedges(), 0);
+    assert_eq!(s.layer.metrics().refused_by_budget(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_extra_load_cap_bounds_hedges_however_large_the_budget() {
+    // A 10 % cap: the account starts with 5 hedges saved, and earns a tenth
+    // of one per call.
+    let capped = HedgePolicy::new(2, Duration::from_millis(10))
+        .unwrap()
+        .with_max_extra_load(Some(0.1))
+        .unwrap();
+    let mut s = hedged(capped, RetryBudget::new(1000, 1.0).unwrap());
+    let mut hedges = 0;
+    for _ in 0..50 {
+        let call = start(&mut s, request()).await;
+        let (_, a1, _) = arrives(&mut s.handle).await;
+        tokio::time::sleep(20 * MS).await;
+        if let Some(Some((_, a2))) = s.handle.next_request().now_or_never() {
+            hedges += 1;
+            drop(a2);
+        }
+        a1.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
+    // 5 saved, then 0.1 per call: at most 5 + 50 × 0.1 = 10 of 50 calls.
+    assert!(
+        hedges <= 10,
+        "{hedges} hedges for 50 calls under a 10 % cap"
+    );
+    assert!(hedges >= 9, "the cap allows its share: {hedges}");
+    assert_eq!(s.layer.metrics().hedges(), hedges);
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_attempt_runs_under_the_calls_deadline() {
+    let mut s = hedged(policy(3, 30), budget());
+    let t0 = Instant::now();
+    let call = start(&mut s, with_timeout(request(), "100m")).await;
+    let (r1, _a1, _) = arrives(&mut s.handle).await;
+    let (r2, _a2, _) = arrives(&mut s.handle).await;
+    let (r3, _a3, _) = arrives(&mut s.handle).await;
+    let left = |r: &Request<Body>| parse_timeout(r.headers()["grpc-timeout"].to_str().unwrap());
+    assert_eq!(left(&r1), 100 * MS);
+    assert_eq!(left(&r2), 70 * MS, "the time left when the hedge was sent");
+    assert_eq!(left(&r3), 40 * MS);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert!(Instant::now() - t0 <= 101 * MS, "ended at the deadline");
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_is_sent_without_the_minimum_attempt_budget() {
+    let mut s = hedged(policy(3, 40), budget());
+    let call = start(&mut s, with_timeout(request(), "50m")).await;
+    let (_, _a1, _) = arrives(&mut s.handle).await;
+    // At 40 ms only 10 ms are left: below the 20 ms minimum, no hedge.
+    tokio::time::sleep(45 * MS).await;
+    assert!(nothing_more(&mut s.handle));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(s.layer.metrics().hedges(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_hedge_carries_the_key_the_attempt_count_and_the_instances_in_flight() {
+    let mut s = hedged(policy(3, 10), budget());
+    let call = start(&mut s, request()).await;
+    let (r1, a1, _) = arrives(&mut s.handle).await;
+    // The first attempt's instance fails non-fatally; the second is in flight.
+    let (r2, _a2, _) = arrives(&mut s.handle).await;
+    a1.send_response(status_from("instance-a", Code::Unavailable));
+    let (r3, a3, _) = arrives(&mut s.handle).await;
+    let key = r1.headers()["x-idempotency-key"].clone();
+    assert_eq!(r2.headers()["x-idempotency-key"], key);
+    assert_eq!(r3.headers()["x-idempotency-key"], key);
+    assert!(r1.headers().get("grpc-previous-rpc-attempts").is_none());
+    assert_eq!(r2.headers()["grpc-previous-rpc-attempts"], "1");
+    assert_eq!(r3.headers()["grpc-previous-rpc-attempts"], "2");
+    let tried = r3
+        .extensions()
+        .get::<tonic_retry::AlreadyTried>()
+        .expect("a mark");
+    assert!(tried.contains("instance-a"), "{tried:?}");
+    assert_eq!(r3.headers()["x-already-tried"], "instance-a");
+    a3.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_still_streaming_is_not_hedged_and_nothing_waits_for_it() {
+    let mut s = hedged(policy(3, 10), budget());
+    let (tx, req) = streaming_request();
+    let call = start(&mut s, req).await;
+    let (r1, a1, _) = arrives(&mut s.handle).await;
+    let mut body = r1.into_body();
+    tx.send(data("part")).unwrap();
+    assert_eq!(next_data(&mut body).await, "part");
+    tokio::time::sleep(50 * MS).await;
+    assert!(
+        nothing_more(&mut s.handle),
+        "the body is not complete: no hedge"
+    );
+    // The single attempt goes on, and its answer is the call's.
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    drop(tx);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_replays_the_whole_body_once_it_is_complete() {
+    let mut s = hedged(policy(2, 10), budget());
+    let (tx, req) = streaming_request();
+    let call = start(&mut s, req).await;
+    let (r1, _a1, _) = arrives(&mut s.handle).await;
+    let mut body = r1.into_body();
+    tx.send(data("one,")).unwrap();
+    tx.send(data("two")).unwrap();
+    drop(tx);
+    assert_eq!(next_data(&mut body).await, "one,");
+    assert_eq!(next_data(&mut body).await, "two");
+    assert!(body.frame().await.is_none());
+    // Complete now: the hedge is due at 10 ms and replays it.
+    let (r2, a2, _) = arrives(&mut s.handle).await;
+    assert_eq!(
+        r2.into_body().collect().await.unwrap().to_bytes(),
+        "one,two"
+    );
+    a2.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_replay_limit_is_not_hedged() {
+    let over = policy(3, 10).with_settings_of(&RetryPolicy::default().with_replay_limit(4));
+    let mut s = hedged(over, budget());
+    let call = start(&mut s, request()).await;
+    let (r1, a1, _) = arrives(&mut s.handle).await;
+    r1.into_body().collect().await.unwrap();
+    tokio::time::sleep(50 * MS).await;
+    assert!(nothing_more(&mut s.handle));
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn when_every_attempt_fails_non_fatally_the_last_status_is_marked() {
+    let mut s = hedged(policy(3, 10), budget());
+    let call = start(&mut s, request()).await;
+    for n in 0..3 {
+        let (_, send, _) = arrives(&mut s.handle).await;
+        let mut answer = status(Code::Unavailable);
+        answer.headers_mut().insert(
+            "grpc-message",
+            HeaderValue::from_str(&format!("attempt-{n}")).unwrap(),
+        );
+        send.send_response(answer);
+    }
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(message_of(&response), "attempt-2");
+    assert_eq!(
+        response.headers()["grpc-retry-pushback-ms"],
+        "-1",
+        "marked: hedges were sent"
+    );
+    assert_eq!(s.layer.metrics().marked(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_call_cancels_every_attempt() {
+    let mut s = hedged(policy(3, 10), budget());
+    let call = start(&mut s, request()).await;
+    let mut unanswered = Vec::new();
+    for _ in 0..3 {
+        let (_, send, _) = arrives(&mut s.handle).await;
+        unanswered.push(send);
+    }
+    call.abort();
+    let _ = call.await;
+    for attempt in 0..3 {
+        assert!(dropped(&s, attempt), "attempt {attempt} cancelled");
+    }
+}
