@@ -529,7 +529,7 @@ impl RetryPolicy {
     /// For a policy made from a [`HedgePolicy`](crate::HedgePolicy): the
     /// hedging delay. `None` for a policy that retries.
     pub fn hedge_delay(&self) -> Option<Duration> {
-        self.hedge.as_ref().map(|plan| plan.delay)
+        self.hedge.as_ref().map(|plan| plan.delay_now())
     }
 
     /// The backoff before retry `retry` (1 for the first retry), with a fresh

@@ -427,3 +427,38 @@ async fn dropping_the_call_cancels_every_attempt() {
         assert!(dropped(&s, attempt), "attempt {attempt} cancelled");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_adaptive_delay_starts_at_the_configured_one_and_follows_the_latency() {
+    let adaptive = policy(2, 50)
+        .with_adaptive_delay(0.9, Duration::from_secs(10), Duration::from_millis(1))
+        .unwrap();
+    let mut s = hedged(adaptive, RetryBudget::new(1000, 1.0).unwrap());
+    // The first calls hedge after the configured 50 ms: the window is empty.
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    let (_, a1, _) = arrives(&mut s.handle).await;
+    let (_, a2, at2) = arrives(&mut s.handle).await;
+    assert_eq!(at2 - t0, 50 * MS);
+    a2.send_response(ok());
+    call.await.unwrap().unwrap();
+    drop(a1);
+    // 120 calls answered in 4 ms each.
+    for _ in 0..120 {
+        let call = start(&mut s, request()).await;
+        let (_, send, _) = arrives(&mut s.handle).await;
+        tokio::time::sleep(4 * MS).await;
+        send.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
+    // Now a slow first attempt is hedged at about the 90th percentile.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    let (_, _slow, _) = arrives(&mut s.handle).await;
+    let (_, hedge, at) = arrives(&mut s.handle).await;
+    let after = at - t0;
+    assert!(after >= 4 * MS && after <= 6 * MS, "hedged after {after:?}");
+    hedge.send_response(ok());
+    call.await.unwrap().unwrap();
+}

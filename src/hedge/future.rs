@@ -42,6 +42,8 @@ struct InFlight<F> {
     /// 1 for the call's first attempt.
     number: u32,
     slot: Slot,
+    /// When it was started, for the adaptive delay.
+    started: Instant,
 }
 
 /// How the last attempt that failed non-fatally ended: what the caller gets
@@ -172,7 +174,7 @@ where
                     policy,
                     this.shared,
                     picked,
-                    done.number,
+                    (done.number, done.started),
                     this.sent,
                     this.failed,
                     this.last,
@@ -255,13 +257,15 @@ where
                             future: Box::pin(future),
                             number,
                             slot,
+                            started: Instant::now(),
                         });
                         *this.started = number;
                         // No delay means no timer: a zero-length one would
                         // still wait for the timer's next tick.
-                        *this.due = plan.delay.is_zero();
-                        *this.timer = (!plan.delay.is_zero())
-                            .then(|| Box::pin(tokio::time::sleep(plan.delay)));
+                        let delay = plan.delay_now();
+                        *this.due = delay.is_zero();
+                        *this.timer =
+                            (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)));
                         progressed = true;
                     }
                     Poll::Ready(false) => *this.frozen = true,
@@ -384,7 +388,7 @@ fn judge<RB, Bu: Budget>(
     policy: &RetryPolicy,
     shared: &Arc<Shared<Bu>>,
     picked: Option<HeaderValue>,
-    number: u32,
+    (number, started): (u32, Instant),
     sent: &mut u32,
     failed: &mut AlreadyTried,
     last: &mut Option<Last>,
@@ -458,6 +462,11 @@ fn judge<RB, Bu: Budget>(
                     Budget::deposit(&shared.budget);
                 }
                 repair_status_details(response.headers_mut());
+            }
+            if code == Code::Ok
+                && let Some(latencies) = policy.hedge.as_deref().and_then(|p| p.adaptive.as_ref())
+            {
+                latencies.record(started.elapsed());
             }
             tracing::debug!(attempt = number, code = code_name(code), "committed");
             return Judged::Commit(response);

@@ -33,8 +33,10 @@
 //! A method either retries or hedges, never both (A6).
 
 mod future;
+mod latency;
 
 pub(crate) use future::HedgeFuture;
+use latency::Latencies;
 
 use std::fmt;
 use std::sync::Arc;
@@ -88,12 +90,18 @@ pub struct HedgePolicy {
 /// The default extra-load cap: hedges at most this fraction of calls.
 const DEFAULT_MAX_EXTRA_LOAD: f64 = 0.05;
 
+/// The samples an adaptive delay's window must hold before it is used.
+const ADAPTIVE_MIN_SAMPLES: u64 = 100;
+
 /// The hedges the extra-load account can save up for a burst.
 const EXTRA_LOAD_BURST: u32 = 10;
 
 /// What a hedging policy adds to a [`RetryPolicy`]'s settings.
 pub(crate) struct HedgePlan {
     pub(crate) delay: Duration,
+    /// When the delay follows the method's latency: its recent successful
+    /// attempts.
+    pub(crate) adaptive: Option<Latencies>,
     /// The extra-load cap, as a fraction of calls, and the account that
     /// keeps hedges to it: every call deposits the fraction, every hedge
     /// takes one. `None`: no cap but the budget's.
@@ -104,6 +112,7 @@ impl fmt::Debug for HedgePlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HedgePlan")
             .field("delay", &self.delay)
+            .field("adaptive", &self.adaptive)
             .field("max_extra_load", &self.extra_load.as_ref().map(|(f, _)| f))
             .finish()
     }
@@ -116,7 +125,19 @@ impl HedgePlan {
                 .expect("a fraction of at least 0.001, below the burst, is a valid budget");
             (fraction, account)
         });
-        Self { delay, extra_load }
+        Self {
+            delay,
+            adaptive: None,
+            extra_load,
+        }
+    }
+
+    /// The delay before the next hedge now.
+    pub(crate) fn delay_now(&self) -> Duration {
+        match &self.adaptive {
+            Some(latencies) => latencies.delay(self.delay),
+            None => self.delay,
+        }
     }
 }
 
@@ -175,8 +196,62 @@ impl HedgePolicy {
                 format!("must be a fraction of calls within 0.001..=4, got {fraction}"),
             ));
         }
-        let delay = self.delay();
-        self.policy.hedge = Some(Arc::new(HedgePlan::new(delay, fraction)));
+        let plan = self.plan();
+        let mut new = HedgePlan::new(plan.delay, fraction);
+        new.adaptive = plan.adaptive.as_ref().map(Latencies::fresh);
+        self.policy.hedge = Some(Arc::new(new));
+        Ok(self)
+    }
+
+    /// Makes the delay follow the method's latency (beyond A6): the
+    /// `percentile` (e.g. `0.95`) of the latencies of its successful
+    /// attempts over the last `window`, never below `floor`. Until the
+    /// window holds 100 of them the configured delay is used, so the policy
+    /// hedges from its first call.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tonic_retry::HedgePolicy;
+    ///
+    /// # fn main() -> Result<(), tonic_retry::ConfigError> {
+    /// let policy = HedgePolicy::new(2, Duration::from_millis(10))?
+    ///     .with_adaptive_delay(0.95, Duration::from_secs(10), Duration::from_millis(2))?;
+    /// assert_eq!(policy.delay(), Duration::from_millis(10), "until the window fills");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming `percentile` unless it is within `(0, 1]`, or
+    /// `window` unless it is at least 2 ms.
+    pub fn with_adaptive_delay(
+        mut self,
+        percentile: f64,
+        window: Duration,
+        floor: Duration,
+    ) -> Result<Self, ConfigError> {
+        if !(percentile > 0.0 && percentile <= 1.0) {
+            return Err(ConfigError::new(
+                "percentile",
+                format!("must be within (0, 1], got {percentile}"),
+            ));
+        }
+        if window < Duration::from_millis(2) {
+            return Err(ConfigError::new(
+                "window",
+                format!("must be at least 2 ms, got {window:?}"),
+            ));
+        }
+        let plan = self.plan();
+        let mut new = HedgePlan::new(plan.delay, self.max_extra_load());
+        new.adaptive = Some(Latencies::new(
+            window,
+            percentile,
+            floor,
+            ADAPTIVE_MIN_SAMPLES,
+        ));
+        self.policy.hedge = Some(Arc::new(new));
         Ok(self)
     }
 
@@ -200,9 +275,11 @@ impl HedgePolicy {
         self.policy.max_attempts
     }
 
-    /// The time between one attempt and the next hedge.
+    /// The time between one attempt and the next hedge: the configured
+    /// delay, or with [`with_adaptive_delay`](Self::with_adaptive_delay) the
+    /// one it follows now.
     pub fn delay(&self) -> Duration {
-        self.plan().delay
+        self.plan().delay_now()
     }
 
     /// The codes that commit nothing.
