@@ -6,8 +6,12 @@
 //! trailers, and random caller `grpc-timeout`s — run through the layer under
 //! paused tokio time.
 //!
+//! A third of the cases with more than one attempt hedge instead of
+//! retrying, with a random delay.
+//!
 //! Every case checks: no panic; never more attempts than `max_attempts`; never
-//! a retry after a final answer; with a valid deadline the call — its response
+//! a retry after a final answer (for a hedged call: no attempt started after
+//! an answer that commits); with a valid deadline the call — its response
 //! body included — ends by it (to tokio's timer resolution: the first
 //! millisecond tick at or after it); and tonic's `Status::from_header_map` can
 //! read whatever the caller gets.
@@ -39,10 +43,13 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::{Instant, Sleep};
 use tonic::body::Body;
-use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer, RetryPolicy};
 use tower::{BoxError, Layer, Service, ServiceExt};
 
 const MS: Duration = Duration::from_millis(1);
+
+/// Hedges sent over all cases, to show the hedged cases hedge.
+static HEDGES: AtomicUsize = AtomicUsize::new(0);
 
 /// How an attempt finds the service's readiness.
 #[derive(Clone, Copy, Debug)]
@@ -88,6 +95,9 @@ struct Plan {
 struct Scripted {
     plans: Arc<Mutex<VecDeque<Plan>>>,
     calls: Arc<AtomicUsize>,
+    /// Each attempt: when it started, when its answer comes, and whether
+    /// that answer commits.
+    log: Arc<Mutex<Vec<(Instant, Instant, bool)>>>,
     /// This clone's wait for a slow readiness.
     waiting: Option<Pin<Box<Sleep>>>,
 }
@@ -98,6 +108,7 @@ impl Clone for Scripted {
         Self {
             plans: Arc::clone(&self.plans),
             calls: Arc::clone(&self.calls),
+            log: Arc::clone(&self.log),
             waiting: None,
         }
     }
@@ -134,6 +145,14 @@ impl Service<Request<Body>> for Scripted {
     fn call(&mut self, _req: Request<Body>) -> Self::Future {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let plan = self.plans.lock().unwrap().pop_front();
+        if let Some(plan) = &plan {
+            let now = Instant::now();
+            let commits = commits(&plan.answer);
+            self.log
+                .lock()
+                .unwrap()
+                .push((now, now + plan.delay, commits));
+        }
         Box::pin(async move {
             let Some(plan) = plan else {
                 return Ok(grpc_ok());
@@ -162,6 +181,23 @@ impl Service<Request<Body>> for Scripted {
             }
         })
     }
+}
+
+/// Whether an answer starts a normal gRPC response: it commits the call.
+fn commits(answer: &Answer) -> bool {
+    let Answer::Response {
+        status, headers, ..
+    } = answer
+    else {
+        return false;
+    };
+    let get = |name: &str| headers.iter().find(|(k, _)| k == name).map(|(_, v)| v);
+    let grpc = get("content-type").is_some_and(|v| {
+        let v = v.as_bytes();
+        v.starts_with(b"application/grpc")
+            && matches!(v.get(b"application/grpc".len()), None | Some(b'+' | b';'))
+    });
+    *status == 200 && grpc && get("grpc-status").is_none()
 }
 
 fn grpc_ok() -> Response<Body> {
@@ -550,6 +586,8 @@ fn clearly_final(answer: &Answer) -> bool {
 #[derive(Debug)]
 struct Case {
     attempts: u32,
+    /// The call hedges, with this delay, instead of retrying.
+    hedge: Option<Duration>,
     attempt_timeout: Option<Duration>,
     timeout: Option<HeaderValue>,
     plans: Vec<Plan>,
@@ -558,6 +596,7 @@ struct Case {
 fn case(seed: u64) -> Case {
     let mut rng = StdRng::seed_from_u64(seed);
     let attempts = rng.random_range(1..=5);
+    let hedge = (attempts > 1 && rng.random_bool(0.3)).then(|| rng.random_range(0..60) * MS);
     let attempt_timeout = rng.random_bool(0.3).then(|| rng.random_range(0..400) * MS);
     let timeout = caller_timeout(&mut rng);
     // Servers may hang only where a limit the harness can wait for ends the
@@ -584,6 +623,7 @@ fn case(seed: u64) -> Case {
         .collect();
     Case {
         attempts,
+        hedge,
         attempt_timeout,
         timeout,
         plans,
@@ -597,11 +637,24 @@ async fn run(seed: u64) {
     if let Some(t) = case.attempt_timeout {
         policy = policy.with_attempt_timeout(t);
     }
-    let layer = RetryLayer::new(policy, RetryBudget::new(1000, 0.1).unwrap());
+    let budget = RetryBudget::new(1000, 0.1).unwrap();
+    let layer = match case.hedge {
+        Some(delay) => {
+            let hedging = HedgePolicy::new(case.attempts, delay)
+                .unwrap()
+                .with_max_extra_load(None)
+                .unwrap()
+                .with_settings_of(&policy);
+            RetryLayer::new(hedging, budget)
+        }
+        None => RetryLayer::new(policy, budget),
+    };
     let calls = Arc::new(AtomicUsize::new(0));
+    let log = Arc::new(Mutex::new(Vec::new()));
     let inner = Scripted {
         plans: Arc::new(Mutex::new(case.plans.iter().cloned().collect())),
         calls: calls.clone(),
+        log: log.clone(),
         waiting: None,
     };
     let mut req = Request::builder()
@@ -653,13 +706,53 @@ async fn run(seed: u64) {
         let _ = tonic::Status::from_header_map(t);
     }
     let made = calls.load(Ordering::SeqCst);
+    HEDGES.fetch_add(layer.metrics().hedges() as usize, Ordering::Relaxed);
     assert!(
         made <= case.attempts as usize,
         "seed {seed}: {made} attempts with max_attempts {}: {case:?}",
         case.attempts
     );
-    // Plan `i` answers the `i`-th attempt sent. A readiness failure ends the
-    // call; a final answer allows no attempt after it.
+    if case.hedge.is_some() {
+        // A hedged call's attempts overlap: none may start once an answer
+        // that commits has come (and was seen: not cut by a limit first).
+        let log = log.lock().unwrap();
+        let cut = |started: Instant, at: Instant| {
+            case.attempt_timeout.is_some_and(|t| at >= started + t)
+                || deadline.is_some_and(|d| at >= start + d)
+        };
+        let commit = log
+            .iter()
+            .filter(|(started, at, commits)| *commits && !cut(*started, *at))
+            .map(|(_, at, _)| *at)
+            .min();
+        if let Some(commit) = commit {
+            assert!(
+                log.iter().all(|(started, _, _)| *started <= commit),
+                "seed {seed}: an attempt started after the call committed: {case:?}"
+            );
+        }
+    } else {
+        assert_retries_follow_the_answers(seed, &case, made);
+    }
+    if let Some(deadline) = deadline {
+        // tokio's timers fire on the first millisecond tick at or after their
+        // instant: the layer never cuts early, so it may end up to 1 ms late.
+        assert!(
+            elapsed <= deadline + MS,
+            "seed {seed}: the call took {elapsed:?} past its {deadline:?} deadline: {case:?}"
+        );
+    }
+    // Only a service that fails the caller's own `poll_ready` makes an error.
+    assert!(
+        headers.is_some() || matches!(case.plans[0].ready, Readiness::Fail),
+        "seed {seed}: the call failed instead of answering: {case:?}"
+    );
+}
+
+/// A retried call's attempts follow the plans' answers: plan `i` answers the
+/// `i`-th attempt sent; a readiness failure ends the call; a final answer
+/// allows no attempt after it.
+fn assert_retries_follow_the_answers(seed: u64, case: &Case, made: usize) {
     let limit = case
         .plans
         .iter()
@@ -681,19 +774,6 @@ async fn run(seed: u64) {
     assert!(
         made <= limit,
         "seed {seed}: {made} attempts, but attempt {limit} ended the call: {case:?}"
-    );
-    if let Some(deadline) = deadline {
-        // tokio's timers fire on the first millisecond tick at or after their
-        // instant: the layer never cuts early, so it may end up to 1 ms late.
-        assert!(
-            elapsed <= deadline + MS,
-            "seed {seed}: the call took {elapsed:?} past its {deadline:?} deadline: {case:?}"
-        );
-    }
-    // Only a service that fails the caller's own `poll_ready` makes an error.
-    assert!(
-        headers.is_some() || matches!(case.plans[0].ready, Readiness::Fail),
-        "seed {seed}: the call failed instead of answering: {case:?}"
     );
 }
 
@@ -727,8 +807,9 @@ fn hostile_servers_never_break_the_promises() {
         }
     });
     println!(
-        "{cases} hostile cases (seeds {first}..{}) in {:?}",
+        "{cases} hostile cases (seeds {first}..{}) in {:?}, {} hedges sent",
         first + cases,
-        started.elapsed()
+        started.elapsed(),
+        HEDGES.load(Ordering::Relaxed)
     );
 }
