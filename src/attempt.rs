@@ -33,9 +33,10 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::classify::{is_timeout, status_in};
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_at};
+use crate::drain::{Drain, Drainer};
 use crate::hedge::HedgeFuture;
 use crate::marks::AlreadyTried;
-use crate::metrics::Event;
+use crate::metrics::{Event, RetryMetrics};
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
@@ -123,6 +124,12 @@ where
     /// The inner service's error as a `BoxError`, proven where the layer's
     /// service was made.
     into_box: fn(S::Error) -> BoxError,
+    /// Reads an abandoned attempt to its end, proven where the layer's
+    /// service was made.
+    drain: Drainer<S::Future>,
+    /// Its attempts may be abandoned while their streams are open (they
+    /// have a per-attempt timeout, or hedge), so they are drained then.
+    drainable: bool,
     /// The next call is the call's first attempt.
     first: bool,
     /// `inner` was readied by the caller, through `RetryService::poll_ready`,
@@ -148,7 +155,7 @@ where
     pub(crate) fn new(
         first: S,
         ready: bool,
-        into_box: fn(S::Error) -> BoxError,
+        (into_box, drain): (fn(S::Error) -> BoxError, Drainer<S::Future>),
         shared: Arc<Shared<Bu>>,
         policy: &RetryPolicy,
         limits: Limits,
@@ -156,6 +163,8 @@ where
         Self {
             inner: first,
             into_box,
+            drain,
+            drainable: limits.attempt_timeout.is_some(),
             first: true,
             ready,
             shared,
@@ -198,6 +207,8 @@ where
         Self {
             inner: self.inner.clone(),
             into_box: self.into_box,
+            drain: self.drain,
+            drainable: self.drainable,
             first: self.first,
             ready: false,
             shared: Arc::clone(&self.shared),
@@ -241,21 +252,27 @@ where
         let cut = self.limits.cut_from_now();
         let deadline = self.limits.deadline;
         let first = std::mem::take(&mut self.first);
+        let drain = self.drainable.then(|| DrainWith {
+            drainer: self.drain,
+            metrics: self.shared.metrics.clone(),
+        });
         if first && std::mem::take(&mut self.ready) {
             // The first attempt, on the instance the caller readied: sent now.
             if let Some((at, why)) = cut {
-                let left = at.saturating_duration_since(Instant::now());
-                if left.is_zero() {
+                let now = Instant::now();
+                if at <= now {
                     let failure = Failure::Cut { why, sent: false };
                     return AttemptFuture::failed(failure, self.into_box);
                 }
-                req.headers_mut()
-                    .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
+                set_timeout(&mut req, deadline, now);
             }
             let future = self.inner.call(req.map(B::from));
-            let state = State::Called { future };
+            let state = called(future, drain.is_some());
             let into_box = self.into_box;
-            return AttemptFuture::new(state, into_box, cut, deadline, None, Duration::ZERO);
+            let mut attempt =
+                AttemptFuture::new(state, into_box, cut, deadline, None, Duration::ZERO);
+            attempt.drain = drain;
+            return attempt;
         }
         // Wait for readiness under the timer; then a retry pays, and is sent.
         let service = if first {
@@ -270,7 +287,9 @@ where
         };
         let retry = (!first).then(|| Arc::clone(&self.shared));
         let min = self.min_attempt_budget;
-        AttemptFuture::new(state, self.into_box, cut, deadline, retry, min)
+        let mut attempt = AttemptFuture::new(state, self.into_box, cut, deadline, retry, min);
+        attempt.drain = drain;
+        attempt
     }
 }
 
@@ -289,6 +308,9 @@ where
         let driver = Attempt {
             inner: std::mem::replace(&mut self.inner, fresh),
             into_box: self.into_box,
+            drain: self.drain,
+            // Every attempt but the winner is abandoned.
+            drainable: true,
             first: true,
             ready: std::mem::take(&mut self.ready),
             shared: Arc::clone(&self.shared),
@@ -347,6 +369,42 @@ pin_project! {
         retry: Option<Arc<Shared<Bu>>>,
         // The least time worth sending a retry with.
         min_attempt_budget: Duration,
+        // For an attempt that may be abandoned with its stream open: how to
+        // drain it then.
+        drain: Option<DrainWith<<S as Service<Request<B>>>::Future>>,
+    }
+}
+
+/// How an abandoned attempt is drained, and who counts it.
+struct DrainWith<F> {
+    drainer: Drainer<F>,
+    metrics: RetryMetrics,
+}
+
+/// The state of an attempt just sent: its future boxed if it may be drained
+/// (a box can be handed to the drain; a pinned future cannot).
+fn called<S, R, F, H>(future: F, drainable: bool) -> State<S, R, F, H> {
+    if drainable {
+        State::Sent {
+            future: Some(Box::pin(future)),
+        }
+    } else {
+        State::Called { future }
+    }
+}
+
+/// Sends the call's deadline to the server as `grpc-timeout`.
+///
+/// The deadline, not an attempt's own limit: tonic's Channel enforces the
+/// header it sends by resetting the stream when it runs out, at the moment
+/// the server answers for the same limit, and that answer would cross the
+/// reset. The layer cuts an attempt at its own limit and drains it, so the
+/// stream ends by the server's answer (or at the deadline).
+fn set_timeout<B>(req: &mut Request<B>, deadline: Option<Instant>, now: Instant) {
+    if let Some(deadline) = deadline {
+        let left = deadline.saturating_duration_since(now);
+        req.headers_mut()
+            .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
     }
 }
 
@@ -362,6 +420,10 @@ pin_project! {
         Called {
             #[pin]
             future: F,
+        },
+        /// Sent, and drained if abandoned: the inner service's future, boxed.
+        Sent {
+            future: Option<Pin<Box<F>>>,
         },
         /// Ended without being sent, or done.
         Failed {
@@ -395,6 +457,7 @@ where
             deadline,
             retry,
             min_attempt_budget,
+            drain: None,
         }
     }
 
@@ -409,6 +472,30 @@ where
             None,
             Duration::ZERO,
         )
+    }
+}
+
+impl<S, B, Bu> AttemptFuture<S, B, Bu>
+where
+    S: Service<Request<B>>,
+{
+    /// The call no longer needs this attempt (another one of its hedges
+    /// committed): if it is sent and its stream open, it is drained rather
+    /// than reset; otherwise it is simply dropped after this.
+    pub(crate) fn abandon(self: Pin<&mut Self>) {
+        let this = self.project();
+        if let StateProj::Sent { future } = this.state.project()
+            && let Some(inner) = future.take()
+            && let Some(drain) = this.drain.as_ref()
+        {
+            (drain.drainer)(
+                inner,
+                Drain {
+                    deadline: *this.deadline,
+                    metrics: drain.metrics.clone(),
+                },
+            );
+        }
     }
 }
 
@@ -442,7 +529,7 @@ where
                             match send(&mut req, limits, this.retry) {
                                 Ok(()) => {
                                     let future = service.call(req.map(B::from));
-                                    this.state.set(State::Called { future });
+                                    this.state.set(called(future, this.drain.is_some()));
                                     continue;
                                 }
                                 Err(failure) => failure,
@@ -477,6 +564,39 @@ where
                     this.state.set(State::Failed { failure: None });
                     return Poll::Ready(Err(Failure::Cut { why, sent: true }));
                 }
+                StateProj::Sent { future } => {
+                    let Some(inner) = future.as_mut() else {
+                        panic!("an attempt was polled after it completed");
+                    };
+                    if let Poll::Ready(result) = inner.as_mut().poll(cx) {
+                        this.timer.set(None);
+                        this.state.set(State::Failed { failure: None });
+                        let result = result.map_err(*this.into_box);
+                        return Poll::Ready(outcome(result, *this.cut, *this.deadline));
+                    }
+                    let Some((_, why)) = *this.cut else {
+                        return Poll::Pending;
+                    };
+                    if !fired(this.timer.as_mut(), cx) {
+                        return Poll::Pending;
+                    }
+                    // Cut by its own timeout, the attempt still has the
+                    // deadline the server was sent: drained, not reset. At
+                    // the deadline, tonic's Channel resets it anyway.
+                    if let (Cut::AttemptTimeout(_), Some(inner)) = (why, future.take())
+                        && let Some(drain) = this.drain.as_ref()
+                    {
+                        (drain.drainer)(
+                            inner,
+                            Drain {
+                                deadline: *this.deadline,
+                                metrics: drain.metrics.clone(),
+                            },
+                        );
+                    }
+                    this.state.set(State::Failed { failure: None });
+                    return Poll::Ready(Err(Failure::Cut { why, sent: true }));
+                }
                 StateProj::Hedged { future } => return future.as_mut().poll(cx).map(Ok),
                 StateProj::Failed { failure } => {
                     let Some(failure) = failure.take() else {
@@ -500,8 +620,7 @@ fn send<B, Bu: Budget>(
 ) -> Result<(), Failure> {
     if let Some((at, why)) = cut {
         let now = Instant::now();
-        let left = at.saturating_duration_since(now);
-        if left.is_zero() {
+        if at <= now {
             return Err(Failure::Cut { why, sent: false });
         }
         // Waiting for readiness may have used up the call's time: a retry
@@ -514,8 +633,7 @@ fn send<B, Bu: Budget>(
                 sent: false,
             });
         }
-        req.headers_mut()
-            .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
+        set_timeout(req, deadline, now);
     }
     if let Some(shared) = retry {
         // The copy may have been dropped since the retry was decided: the
@@ -560,8 +678,7 @@ fn outcome<RB>(
             {
                 return Err(Failure::Cut { why, sent: true });
             }
-            let limit = cut.map(|(at, _)| at);
-            Ok(response.map(|body| ResponseBody::new(body, deadline, limit)))
+            Ok(response.map(|body| ResponseBody::new(body, deadline)))
         }
         Err(error) => {
             // A Channel enforcing the `grpc-timeout` we sent reports a

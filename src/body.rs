@@ -32,11 +32,10 @@ pin_project! {
     /// layer cannot tell when a buffered frame arrived, and a body that is
     /// always ready must not outlive its deadline.
     ///
-    /// A per-attempt limit still holds for the body in one way: the server got
-    /// it as `grpc-timeout`, and a server whose timer runs out mid-stream ends
-    /// it with `CANCELLED` or resets it. Once the attempt's limit has passed,
-    /// either end reaches the caller as `DEADLINE_EXCEEDED` trailers: the
-    /// caller cancelled nothing.
+    /// The server got the deadline as `grpc-timeout`, and a server whose
+    /// timer runs out mid-stream ends it with `CANCELLED` or resets it. Once
+    /// the deadline has passed, either end reaches the caller as
+    /// `DEADLINE_EXCEEDED` trailers: the caller cancelled nothing.
     ///
     /// A call whose response was committed is a success only if it ends with
     /// `OK`: the layer's budget is credited when the trailers say so, not
@@ -48,9 +47,6 @@ pin_project! {
         inner: Option<B>,
         // The call's deadline, while the body is still open.
         deadline: Option<Instant>,
-        // The attempt's limit (its timeout or the deadline, the sooner): the
-        // `grpc-timeout` the server was sent.
-        limit: Option<Instant>,
         // Armed the first time the inner body has nothing ready, so a body
         // that is always ready costs no timer. Boxed to keep the body `Unpin`
         // whenever the inner one is.
@@ -75,11 +71,10 @@ impl fmt::Debug for OnOk {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn new(inner: B, deadline: Option<Instant>, limit: Option<Instant>) -> Self {
+    pub(crate) fn new(inner: B, deadline: Option<Instant>) -> Self {
         Self {
             inner: Some(inner),
             deadline,
-            limit,
             timer: None,
             on_ok: None,
         }
@@ -95,7 +90,6 @@ impl<B> ResponseBody<B> {
         Self {
             inner: None,
             deadline: None,
-            limit: None,
             timer: None,
             on_ok: None,
         }
@@ -114,7 +108,7 @@ impl<B> Default for ResponseBody<B> {
 }
 
 /// The trailers that end a body whose time ran out: at the call's deadline,
-/// or at the attempt's limit when the server ended it for that.
+/// whether the layer or the server ended it.
 fn timed_out_trailers(message: &'static str) -> HeaderMap {
     let mut trailers = HeaderMap::with_capacity(2);
     trailers.insert(GRPC_STATUS, HeaderValue::from_static("4"));
@@ -123,8 +117,6 @@ fn timed_out_trailers(message: &'static str) -> HeaderMap {
 }
 
 const DEADLINE_PASSED: &str = "call deadline exceeded while receiving the response";
-const ATTEMPT_TIMED_OUT: &str = "attempt timed out while receiving the response";
-
 /// The code trailers end the call with, as tonic's client reads it (`None`
 /// without `grpc-status`), and whether they carry status details. One pass:
 /// trailers hold a handful of entries, where a lookup would hash each name.
@@ -202,16 +194,10 @@ impl<B: Body> Body for ResponseBody<B> {
         *this.timer = None;
         let on_ok = this.on_ok.take();
         // The server ended the stream (CANCELLED, or a reset) once the
-        // attempt's limit had passed: its timer for the `grpc-timeout` we sent.
+        // deadline had passed: its timer for the `grpc-timeout` we sent.
         let timed_out = || {
-            let at = (*this.limit)?;
-            (Instant::now() >= at).then(|| {
-                timed_out_trailers(if Some(at) == deadline {
-                    DEADLINE_PASSED
-                } else {
-                    ATTEMPT_TIMED_OUT
-                })
-            })
+            let at = deadline?;
+            (Instant::now() >= at).then(|| timed_out_trailers(DEADLINE_PASSED))
         };
         let frame = match end {
             None => return Poll::Ready(None),
@@ -273,10 +259,7 @@ mod tests {
             Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"abc"))),
             Ok(Frame::trailers(trailers)),
         ]));
-        let collected = ResponseBody::new(inner, None, None)
-            .collect()
-            .await
-            .unwrap();
+        let collected = ResponseBody::new(inner, None).collect().await.unwrap();
         let trailers = collected.trailers().cloned().expect("trailers pass");
         assert_eq!(trailers["grpc-status"], "14");
         assert!(!trailers.contains_key("grpc-status-details-bin"));
@@ -300,7 +283,7 @@ mod tests {
         let (tx, inner) = channel_body();
         let start = Instant::now();
         let deadline = start + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline), None));
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
         tx.send(Ok(Frame::data(Bytes::from_static(b"first"))))
             .unwrap();
         let frame = body.frame().await.unwrap().unwrap();
@@ -326,7 +309,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"x")))
             })));
         let deadline = Instant::now() + Duration::from_millis(10);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline), None));
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
         let mut frames = 0;
         loop {
             let frame = body.frame().await.unwrap().unwrap();
@@ -346,7 +329,7 @@ mod tests {
     async fn a_body_that_ends_in_time_is_untouched_and_its_timer_goes() {
         let (tx, inner) = channel_body();
         let deadline = Instant::now() + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline), None));
+        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
         let reader = async {
             let mut got = Vec::new();
             while let Some(frame) = body.frame().await {

@@ -2,7 +2,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use http::Request;
+use http::{Request, Response};
 use tower::BoxError;
 use tower_layer::Layer;
 use tower_service::Service;
@@ -171,12 +171,15 @@ impl<Bu, B> Clone for RetryLayer<Bu, B> {
 }
 
 // NOTE: the inner service's error is proven to convert into `BoxError` here,
-// where the service is made, so that no impl a call's future needs asks for
+// and its futures and bodies to be sendable to a drain task, where the
+// service is made, so that no impl a call's future needs asks for
 // it (see `RetryService`'s "Spawning calls").
-impl<S, Bu, B> Layer<S> for RetryLayer<Bu, B>
+impl<S, Bu, B, RB> Layer<S> for RetryLayer<Bu, B>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>, Response = Response<RB>>,
     S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: http_body::Body + Send + 'static,
 {
     type Service = RetryService<S, Bu, B>;
 

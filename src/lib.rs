@@ -215,6 +215,7 @@ mod budget;
 mod call;
 mod classify;
 mod deadline;
+mod drain;
 mod error;
 #[cfg(feature = "fault")]
 pub mod fault;

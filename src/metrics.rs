@@ -23,6 +23,10 @@ struct Counters {
     marked: AtomicU64,
     body_too_large: AtomicU64,
     hedges: AtomicU64,
+    draining: AtomicU64,
+    drained: AtomicU64,
+    drain_cut: AtomicU64,
+    drain_refused: AtomicU64,
 }
 
 /// What to count.
@@ -36,6 +40,9 @@ pub(crate) enum Event {
     Marked,
     BodyTooLarge,
     Hedge,
+    Drained,
+    DrainCut,
+    DrainRefused,
 }
 
 impl RetryMetrics {
@@ -50,6 +57,9 @@ impl RetryMetrics {
             Event::Marked => &c.marked,
             Event::BodyTooLarge => &c.body_too_large,
             Event::Hedge => &c.hedges,
+            Event::Drained => &c.drained,
+            Event::DrainCut => &c.drain_cut,
+            Event::DrainRefused => &c.drain_refused,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -107,6 +117,48 @@ impl RetryMetrics {
     pub fn body_too_large(&self) -> u64 {
         self.inner.body_too_large.load(Ordering::Relaxed)
     }
+
+    /// Counts one more drain in progress, unless `max` already are.
+    pub(crate) fn start_drain(&self, max: u64) -> bool {
+        self.inner
+            .draining
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then(|| n + 1)
+            })
+            .is_ok()
+    }
+
+    pub(crate) fn end_drain(&self) {
+        self.inner.draining.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Abandoned attempts being drained now: attempts a hedged call no
+    /// longer needs, or that its per-attempt timeout cut, read to their end
+    /// in a task of their own rather than reset (see
+    /// [`HedgePolicy`](crate::HedgePolicy) and
+    /// [`RetryPolicy::with_attempt_timeout`](crate::RetryPolicy::with_attempt_timeout)).
+    pub fn draining(&self) -> u64 {
+        self.inner.draining.load(Ordering::Relaxed)
+    }
+
+    /// Abandoned attempts read to their end: their streams ended with no
+    /// reset.
+    pub fn drained(&self) -> u64 {
+        self.inner.drained.load(Ordering::Relaxed)
+    }
+
+    /// Drains that ran into a bound (the call's deadline, else 10 s; 64 KiB
+    /// of response body) and so reset their streams after all.
+    pub fn drain_cut(&self) -> u64 {
+        self.inner.drain_cut.load(Ordering::Relaxed)
+    }
+
+    /// Abandoned attempts reset at once instead of drained: 1,024 were
+    /// already draining through this layer, or there was no tokio runtime to
+    /// drain on.
+    pub fn drain_refused(&self) -> u64 {
+        self.inner.drain_refused.load(Ordering::Relaxed)
+    }
 }
 
 impl fmt::Debug for RetryMetrics {
@@ -120,6 +172,10 @@ impl fmt::Debug for RetryMetrics {
             .field("retried_below", &self.retried_below())
             .field("marked", &self.marked())
             .field("body_too_large", &self.body_too_large())
+            .field("draining", &self.draining())
+            .field("drained", &self.drained())
+            .field("drain_cut", &self.drain_cut())
+            .field("drain_refused", &self.drain_refused())
             .finish()
     }
 }

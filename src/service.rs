@@ -17,6 +17,7 @@ use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
 use crate::call::CallPolicy;
 use crate::deadline::{GRPC_TIMEOUT, parse_grpc_timeout};
+use crate::drain::{self, Drainer};
 use crate::future::ResponseFuture;
 use crate::marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, new_idempotency_key,
@@ -50,6 +51,13 @@ use crate::shared::Shared;
 /// the layer reads them — a timer below it, a status inside — and a call whose
 /// last attempt got no response reaches the caller as an `UNAVAILABLE` status
 /// naming the error, as gRPC reports transport failures.
+///
+/// The inner service's futures and response bodies must be `Send + 'static`
+/// (a `Channel`'s, and those of tower's own services over it, are): an
+/// attempt the call no longer needs — a hedge that lost, an attempt cut by
+/// its timeout — is read to its end on a task of its own rather than reset,
+/// so that its server's answer never crosses a reset stream (see
+/// [`RetryMetrics::drained`](crate::RetryMetrics::drained)).
 ///
 /// `B` is the request body type: tonic's [`Body`](tonic::body::Body) unless
 /// the layer was made for another ([`RetryLayer::for_body`](crate::RetryLayer::for_body)).
@@ -94,12 +102,15 @@ where
     ready: bool,
     shared: Arc<Shared<Bu>>,
     into_box: fn(S::Error) -> BoxError,
+    drain: Drainer<S::Future>,
 }
 
-impl<S> RetryService<S>
+impl<S, RB> RetryService<S>
 where
-    S: Service<Request<tonic::body::Body>>,
+    S: Service<Request<tonic::body::Body>, Response = Response<RB>>,
     S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: Body + Send + 'static,
 {
     /// Wraps `inner`, retrying by `policy` (one [`RetryPolicy`](crate::RetryPolicy),
     /// or [`MethodPolicies`]) and paying from `budget`.
@@ -108,10 +119,12 @@ where
     }
 }
 
-impl<S, Bu, B> RetryService<S, Bu, B>
+impl<S, Bu, B, RB> RetryService<S, Bu, B>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>, Response = Response<RB>>,
     S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: Body + Send + 'static,
 {
     /// Wraps `inner`, paying for retries from any [`Budget`] (every call
     /// shares it; see [`RetryLayer::with_budget`](crate::RetryLayer::with_budget)). The request body type `B` is
@@ -129,6 +142,7 @@ where
             ready: false,
             shared,
             into_box: Into::into,
+            drain: drain::spawn,
         }
     }
 }
@@ -173,6 +187,7 @@ where
             ready: false,
             shared: Arc::clone(&self.shared),
             into_box: self.into_box,
+            drain: self.drain,
         }
     }
 }
@@ -278,7 +293,7 @@ where
         let attempt = Attempt::new(
             first,
             ready,
-            self.into_box,
+            (self.into_box, self.drain),
             Arc::clone(&self.shared),
             policy,
             limits,

@@ -68,7 +68,7 @@ struct Setup {
     dropped: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
 }
 
-fn hedged(policy: HedgePolicy, budget: RetryBudget) -> Setup {
+fn hedged(policy: impl Into<tonic_retry::MethodPolicies>, budget: RetryBudget) -> Setup {
     let layer = RetryLayer::new(policy, budget);
     let (inner, handle) = mock::pair();
     let dropped = Arc::default();
@@ -151,16 +151,45 @@ async fn a_zero_delay_sends_every_attempt_at_once() {
 async fn headers_commit_and_the_other_attempts_are_cancelled() {
     let mut s = hedged(policy(3, 10), budget());
     let call = start(&mut s, request()).await;
-    let (_, _slow, _) = arrives(&mut s.handle).await;
+    let (_, slow, _) = arrives(&mut s.handle).await;
     let (_, fast, _) = arrives(&mut s.handle).await;
     fast.send_response(answer(Code::Ok));
     let response = call.await.unwrap().unwrap();
     assert_eq!(read_to_end(response).await, Code::Ok);
-    assert!(dropped(&s, 0), "the slow attempt is cancelled");
+    // The slow attempt is no longer the call's: it is drained, not reset.
+    assert!(!dropped(&s, 0), "the slow attempt's stream is left to end");
+    assert_eq!(s.layer.metrics().draining(), 1);
     tokio::time::sleep(100 * MS).await;
     assert!(nothing_more(&mut s.handle), "no hedge after the commit");
-    // The committed call ended OK: the budget earned its deposit.
+    // Its answer ends the drain; it reaches nobody and credits nothing.
+    slow.send_response(answer(Code::Ok));
+    settle().await;
+    assert!(dropped(&s, 0));
+    let m = s.layer.metrics();
+    assert_eq!((m.draining(), m.drained(), m.drain_cut()), (0, 1, 0));
+    // The committed call ended OK: the budget earned its deposit, once.
     assert_eq!(s.layer.budget().available(), 99.1);
+}
+
+/// A loser that never answers is drained no longer than the call's deadline
+/// (the `grpc-timeout` its server was sent): then its stream is reset.
+#[tokio::test(start_paused = true)]
+async fn a_loser_that_never_answers_is_reset_at_the_deadline() {
+    let mut s = hedged(policy(2, 10), budget());
+    let t0 = Instant::now();
+    let call = start(&mut s, with_timeout(request(), "1S")).await;
+    let (_, _stuck, _) = arrives(&mut s.handle).await;
+    let (_, fast, _) = arrives(&mut s.handle).await;
+    fast.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    tokio::time::sleep_until(t0 + 999 * MS).await;
+    settle().await;
+    assert!(!dropped(&s, 0), "drained until the deadline");
+    tokio::time::sleep_until(t0 + 1002 * MS).await;
+    settle().await;
+    assert!(dropped(&s, 0), "reset at the deadline");
+    let m = s.layer.metrics();
+    assert_eq!((m.draining(), m.drained(), m.drain_cut()), (0, 0, 1));
 }
 
 #[tokio::test(start_paused = true)]
@@ -172,7 +201,8 @@ async fn a_fatal_status_commits_too() {
     a2.send_response(status(Code::NotFound));
     let response = call.await.unwrap().unwrap();
     assert_eq!(code_of(&response), Code::NotFound);
-    assert!(dropped(&s, 0), "the other attempt is cancelled");
+    assert!(!dropped(&s, 0), "the other attempt is drained, not reset");
+    assert_eq!(s.layer.metrics().draining(), 1);
     assert!(nothing_more(&mut s.handle));
     assert_eq!(
         s.layer.metrics().marked(),
@@ -461,4 +491,63 @@ async fn an_adaptive_delay_starts_at_the_configured_one_and_follows_the_latency(
     assert!(after >= 4 * MS && after <= 6 * MS, "hedged after {after:?}");
     hedge.send_response(ok());
     call.await.unwrap().unwrap();
+}
+
+/// An attempt cut by its own timeout is drained, not reset: the server was
+/// sent the call's deadline, and its late answer ends the attempt's stream.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_cut_by_its_timeout_is_drained_not_reset() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let mut s = hedged(policy, budget());
+    let call = start(&mut s, with_timeout(request(), "1S")).await;
+    let (req, slow, _) = arrives(&mut s.handle).await;
+    assert_eq!(req.headers()["grpc-timeout"], "1000000u", "the deadline");
+    let (_, retry, _) = arrives(&mut s.handle).await;
+    assert!(!dropped(&s, 0), "the cut attempt is left to end");
+    assert_eq!(s.layer.metrics().draining(), 1);
+    retry.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    slow.send_response(answer(Code::Ok));
+    settle().await;
+    assert!(dropped(&s, 0));
+    let m = s.layer.metrics();
+    assert_eq!((m.draining(), m.drained(), m.retries()), (0, 1, 1));
+}
+
+/// An attempt cut by the call's deadline is reset at once: the server's own
+/// timer (and tonic's Channel's) end it there anyway, and the caller is done.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_cut_by_the_deadline_is_not_drained() {
+    let policy = RetryPolicy::default().with_attempt_timeout(10 * 1000 * MS);
+    let mut s = hedged(policy, budget());
+    let call = start(&mut s, with_timeout(request(), "100m")).await;
+    let (_, _stuck, _) = arrives(&mut s.handle).await;
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert!(dropped(&s, 0));
+    assert_eq!(s.layer.metrics().draining(), 0);
+}
+
+/// A call without a per-attempt timeout or hedging has nothing to drain: its
+/// attempts are not boxed for it, and a call the caller drops is reset.
+#[tokio::test(start_paused = true)]
+async fn a_plain_call_dropped_by_the_caller_is_reset() {
+    let mut s = hedged(RetryPolicy::default(), budget());
+    let call = start(&mut s, with_timeout(request(), "1S")).await;
+    let (_, _stuck, _) = arrives(&mut s.handle).await;
+    settle().await;
+    assert!(!dropped(&s, 0), "in flight");
+    call.abort();
+    let _ = call.await;
+    assert!(dropped(&s, 0));
+    assert_eq!(s.layer.metrics().draining(), 0);
+}
+
+/// Lets spawned tasks (the drains) run to where they wait.
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
 }

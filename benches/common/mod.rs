@@ -157,10 +157,12 @@ where
 }
 
 /// (c): this crate's layer.
-pub fn layered<S>(inner: S, policy: RetryPolicy) -> tonic_retry::RetryService<S>
+pub fn layered<S, RB>(inner: S, policy: RetryPolicy) -> tonic_retry::RetryService<S>
 where
-    S: Service<Request<Body>>,
+    S: Service<Request<Body>, Response = http::Response<RB>>,
     S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: http_body::Body + Send + 'static,
 {
     let layer = RetryLayer::new(
         policy,
@@ -172,10 +174,12 @@ where
 /// (c) with per-method policies: a table of 8 services and 32 methods, the
 /// request's `GetBook` having an entry of its own (the longest lookup: the
 /// method map hit; `/GetBook` at a service entry would look up twice).
-pub fn layered_per_method<S>(inner: S) -> tonic_retry::RetryService<S>
+pub fn layered_per_method<S, RB>(inner: S) -> tonic_retry::RetryService<S>
 where
-    S: Service<Request<Body>>,
+    S: Service<Request<Body>, Response = http::Response<RB>>,
     S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: http_body::Body + Send + 'static,
 {
     let mut table = tonic_retry::MethodPolicies::with_default(RetryPolicy::default());
     for s in 0..8 {

@@ -181,10 +181,13 @@ where
                 );
                 match judged {
                     Judged::Commit(response) => {
-                        // NOTE: dropping the other attempts' futures cancels
-                        // their HTTP streams; dropping the template lets the
+                        // The others are drained, not reset (see
+                        // `crate::drain`); dropping the template lets the
                         // body's copy go once the winner has sent it.
-                        this.inflight.clear();
+                        for loser in this.inflight.drain(..) {
+                            let mut future = loser.future;
+                            future.as_mut().abandon();
+                        }
                         *this.template = None;
                         return Poll::Ready(response);
                     }
