@@ -114,6 +114,13 @@ pub(crate) enum Failure {
     Unreplayable(ReplayError),
 }
 
+/// What the layer proved of the inner service where its service was made:
+/// how its errors become `BoxError`, and how its abandoned attempts drain.
+pub(crate) type Proven<S, B> = (
+    fn(<S as Service<Request<B>>>::Error) -> BoxError,
+    Drainer<<S as Service<Request<B>>>::Future>,
+);
+
 /// Sends each attempt of one call to the inner service.
 // NOTE: the bound names `S::Error` for `into_box`; see `RetryService`.
 pub(crate) struct Attempt<S, B, Bu>
@@ -155,7 +162,7 @@ where
     pub(crate) fn new(
         first: S,
         ready: bool,
-        (into_box, drain): (fn(S::Error) -> BoxError, Drainer<S::Future>),
+        (into_box, drain): Proven<S, B>,
         shared: Arc<Shared<Bu>>,
         policy: &RetryPolicy,
         limits: Limits,
@@ -481,10 +488,13 @@ where
 {
     /// The call no longer needs this attempt (another one of its hedges
     /// committed): if it is sent and its stream open, it is drained rather
-    /// than reset; otherwise it is simply dropped after this.
-    pub(crate) fn abandon(self: Pin<&mut Self>) {
+    /// than reset; otherwise it is simply dropped after this. Whether it was
+    /// sent.
+    pub(crate) fn abandon(self: Pin<&mut Self>) -> bool {
         let this = self.project();
-        if let StateProj::Sent { future } = this.state.project()
+        let state = this.state.project();
+        let sent = !matches!(state, StateProj::Readying { .. });
+        if let StateProj::Sent { future } = state
             && let Some(inner) = future.take()
             && let Some(drain) = this.drain.as_ref()
         {
@@ -496,6 +506,7 @@ where
                 },
             );
         }
+        sent
     }
 }
 

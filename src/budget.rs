@@ -130,6 +130,14 @@ impl RetryBudget {
             .is_ok()
     }
 
+    /// Gives back a token taken for a retry that was never sent.
+    pub(crate) fn refund(&self) {
+        let Account { balance, max, .. } = &*self.inner;
+        let _ = balance.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+            Some(cur.saturating_add(MILLI).min(*max))
+        });
+    }
+
     /// Whether a whole token is there to withdraw (without taking it).
     pub(crate) fn has_token(&self) -> bool {
         self.inner.balance.load(Ordering::Relaxed) >= MILLI

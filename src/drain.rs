@@ -203,7 +203,7 @@ mod tests {
     async fn an_abandoned_attempt_is_read_to_its_end() {
         let metrics = RetryMetrics::default();
         let (tx, rx) = tokio::sync::oneshot::channel::<Response<Frames>>();
-        let future = Box::pin(async move { rx.await });
+        let future = Box::pin(rx);
         spawn(
             future,
             Drain {

@@ -527,9 +527,10 @@ impl RetryPolicy {
     }
 
     /// For a policy made from a [`HedgePolicy`](crate::HedgePolicy): the
-    /// hedging delay. `None` for a policy that retries.
+    /// hedging delay, as [`HedgePolicy::delay`](crate::HedgePolicy::delay)
+    /// says. `None` for a policy that retries.
     pub fn hedge_delay(&self) -> Option<Duration> {
-        self.hedge.as_ref().map(|plan| plan.delay_now())
+        self.hedge.as_ref().map(|plan| plan.delay)
     }
 
     /// The backoff before retry `retry` (1 for the first retry), with a fresh

@@ -61,6 +61,8 @@ pub struct ReplayBody<B> {
     waited: bool,
     /// Whether this clone goes out as a hedge (paid for as a retry is).
     hedge: bool,
+    /// For a hedged call's attempt, its number (1 to 5); 0 otherwise.
+    attempt: u8,
 }
 
 /// The epoch of a clone that was never sent.
@@ -106,6 +108,8 @@ struct Shared<B> {
     /// The instance a balancer below reported for the current attempt
     /// (see [`PickedInstance`]): every attempt's request carries this state.
     picked: Option<HeaderValue>,
+    /// A hedged call's attempts 1 to 5: the epoch each was sent as.
+    hedge_epochs: [u32; 5],
 }
 
 /// Which limit a body outgrew.
@@ -304,6 +308,7 @@ impl<B: Body> ReplayBody<B> {
                 trailers: None,
                 waiting: Vec::new(),
                 picked: None,
+                hedge_epochs: [UNSENT; 5],
             })),
             pos: 0,
             trailers_sent: false,
@@ -312,6 +317,7 @@ impl<B: Body> ReplayBody<B> {
             retry: false,
             waited: false,
             hedge: false,
+            attempt: 0,
         }
     }
 }
@@ -388,9 +394,33 @@ impl<B> ReplayBody<B> {
         shared.live = shared.live.saturating_add(1).min(UNSENT - 1);
         shared.live_pos = self.pos;
         self.epoch = shared.live;
+        if let Some(slot) = usize::from(self.attempt)
+            .checked_sub(1)
+            .and_then(|i| shared.hedge_epochs.get_mut(i))
+        {
+            *slot = self.epoch;
+        }
         if self.last {
             shared.finalize(self.epoch);
         }
+    }
+
+    /// Numbers this clone as attempt `number` of a hedged call.
+    pub(crate) fn set_attempt(&mut self, number: u32) {
+        self.attempt = u8::try_from(number).ok().filter(|n| *n <= 5).unwrap_or(0);
+    }
+
+    /// A hedged call committed to its attempt `number`: as [`release`](Self::release),
+    /// for that attempt, whichever was sent last. (A first attempt sent at
+    /// once keeps the epoch of a clone not sent; no other reader has it.)
+    pub(crate) fn release_to(&self, number: u32) {
+        let mut shared = self.lock();
+        let epoch = usize::try_from(number)
+            .ok()
+            .and_then(|n| n.checked_sub(1))
+            .and_then(|i| shared.hedge_epochs.get(i).copied())
+            .unwrap_or(UNSENT);
+        shared.finalize(epoch);
     }
 
     /// Takes the instance a balancer reported for the last attempt, leaving
@@ -416,26 +446,12 @@ impl<B> ReplayBody<B> {
     }
 
     /// Whether another attempt could send the whole body side by side with
-    /// the ones before it now (see [`poll_complete`](Self::poll_complete)).
+    /// the ones before it now: the caller's body has been read to its end
+    /// with a copy of all of it kept, or its size is known and within the
+    /// limit (so its copy can never be dropped for it).
     pub(crate) fn is_hedgeable(&self) -> bool {
         let shared = self.lock();
         shared.replay_state().is_ok() && (shared.ended || shared.fits)
-    }
-
-    /// Ready once another attempt can send the whole body side by side with
-    /// the ones before it: the caller's body has been read to its end with a
-    /// copy of all of it kept, or its size is known and within the limit (so
-    /// its copy can never be dropped for it). An error once it cannot be.
-    pub(crate) fn poll_complete(&self, cx: &Context<'_>) -> Poll<Result<(), ReplayError>> {
-        let mut shared = self.lock();
-        shared.replay_state()?;
-        if shared.ended || shared.fits {
-            return Poll::Ready(Ok(()));
-        }
-        // Woken with the clones waiting for the body: when an attempt reads
-        // more of it.
-        shared.wait(cx);
-        Poll::Pending
     }
 }
 
@@ -712,6 +728,7 @@ impl<B> Clone for ReplayBody<B> {
             retry: false,
             waited: false,
             hedge: false,
+            attempt: 0,
         }
     }
 }

@@ -382,7 +382,10 @@ async fn a_stream_the_server_ends_at_the_deadline_ends_deadline_exceeded() {
         };
         assert_eq!(got.as_ref().map(tonic::Status::code), expected, "{case}");
         if let Some(status) = got.filter(|s| s.code() == Code::DeadlineExceeded) {
-            assert!(status.message().starts_with("call deadline exceeded"), "{case}");
+            assert!(
+                status.message().starts_with("call deadline exceeded"),
+                "{case}"
+            );
         }
         assert!(body.frame().await.is_none(), "{case}");
     }

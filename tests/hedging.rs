@@ -551,3 +551,379 @@ async fn settle() {
         tokio::task::yield_now().await;
     }
 }
+
+// Found by review: the cap, the replay copy, late bodies, per-method latencies, marks, cut hedges.
+
+fn req_to(path: &str) -> Request<Body> {
+    let mut r = request();
+    *r.uri_mut() = format!("http://library{path}").parse().unwrap();
+    r
+}
+
+// 3. Budget: the extra-load cap's share is spent on hedges the budget refused.
+#[tokio::test(start_paused = true)]
+async fn extra_load_share_is_not_spent_on_hedges_never_sent() {
+    // The default 5 % cap (5 hedges saved up); a budget of half a token, so
+    // every hedge is refused at send.
+    let p = HedgePolicy::new(2, Duration::from_millis(10)).unwrap();
+    let poor = RetryBudget::new(1, 0.001).unwrap();
+    let mut s = hedged(p, poor.clone());
+    for _ in 0..6 {
+        let call = start(&mut s, request()).await;
+        let (_, a1, _) = arrives(&mut s.handle).await;
+        tokio::time::sleep(20 * MS).await;
+        assert!(nothing_more(&mut s.handle));
+        a1.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(s.layer.metrics().hedges(), 0, "not one hedge was sent");
+    // The budget is refilled: a token is there now.
+    for _ in 0..1000 {
+        poor.deposit();
+    }
+    assert!(poor.available() >= 1.0);
+    let call = start(&mut s, request()).await;
+    let (_, a1, _) = arrives(&mut s.handle).await;
+    tokio::time::sleep(20 * MS).await;
+    let hedge = s.handle.next_request().now_or_never();
+    assert!(
+        matches!(hedge, Some(Some(_))),
+        "0 hedges in 7 calls is within a 5 % cap (5 saved up): the hedge must go"
+    );
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+// 6/§7. Bodies: a hedged call never lets its replay copy go after commit.
+async fn copy_held_after_commit(policy: RetryPolicy) -> usize {
+    let layer = RetryLayer::new(policy, budget());
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let (tx, req) = streaming_request();
+    let svc_ready = svc.ready().await.unwrap();
+    let call = tokio::spawn(svc_ready.call(req));
+    let (r1, a1) = handle.next_request().await.unwrap();
+    let mut body = r1.into_body();
+    let (rtx, response) = streaming_response();
+    a1.send_response(response);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok, "committed");
+    // A client stream goes on after the commit: the winner reads it.
+    for _ in 0..100 {
+        tx.send(data("0123456789")).unwrap();
+        assert_eq!(next_data(&mut body).await, "0123456789");
+    }
+    let held = layer.replay_memory_in_use();
+    drop((tx, rtx, response, body));
+    held
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_committed_call_holds_no_replay_copy_retry_control() {
+    let retry = RetryPolicy::default();
+    assert_eq!(
+        copy_held_after_commit(retry).await,
+        0,
+        "a retried call: copy gone at commit"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_committed_hedged_call_holds_no_replay_copy() {
+    let hedge: RetryPolicy = policy(2, 1000).into();
+    assert_eq!(
+        copy_held_after_commit(hedge).await,
+        0,
+        "a hedged call, committed: its copy must go (§7) as a retried call's does"
+    );
+}
+
+// 6. A body incomplete when the hedge is due is not hedged — not later either.
+#[tokio::test(start_paused = true)]
+async fn a_body_incomplete_when_the_hedge_is_due_is_not_hedged_later() {
+    let mut s = hedged(policy(2, 10), budget());
+    let t0 = Instant::now();
+    let (tx, req) = streaming_request();
+    let call = start(&mut s, req).await;
+    let (r1, a1, _) = arrives(&mut s.handle).await;
+    let mut body = r1.into_body();
+    tx.send(data("part")).unwrap();
+    assert_eq!(next_data(&mut body).await, "part");
+    tokio::time::sleep(50 * MS).await;
+    assert!(nothing_more(&mut s.handle), "due at 10 ms, body incomplete");
+    drop(tx);
+    assert!(body.frame().await.is_none());
+    let late = tokio::time::timeout(100 * MS, s.handle.next_request()).await;
+    if let Ok(Some((_, h))) = late {
+        drop(h);
+        panic!(
+            "hedge sent at {:?} (when the body completed) though it was incomplete when the hedge was due (10 ms)",
+            Instant::now() - t0
+        );
+    }
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+// 8. The adaptive delay follows the method's own latency, not another method's.
+#[tokio::test(start_paused = true)]
+async fn the_adaptive_delay_is_per_method() {
+    let adaptive = policy(2, 20)
+        .with_adaptive_delay(0.9, Duration::from_secs(60), Duration::from_millis(1))
+        .unwrap();
+    let mut s = hedged(adaptive, RetryBudget::new(1000, 1.0).unwrap());
+    // 120 calls of a slow method, each answered at 100 ms.
+    for _ in 0..120 {
+        let call = start(&mut s, req_to("/library.v1.Library/ListBooks")).await;
+        let (_, a1, _) = arrives(&mut s.handle).await;
+        tokio::time::sleep(100 * MS).await;
+        a1.send_response(ok());
+        call.await.unwrap().unwrap();
+        while let Some(Some(_)) = s.handle.next_request().now_or_never() {}
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    {
+        let t0 = Instant::now();
+        let call = start(&mut s, req_to("/library.v1.Library/ListBooks")).await;
+        let (_, _a1, _) = arrives(&mut s.handle).await;
+        let (_, hedge, at) = arrives(&mut s.handle).await;
+        eprintln!("ListBooks hedged after {:?}", at - t0);
+        hedge.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
+    // GetBook has no latency of its own yet: its configured 20 ms delay.
+    let t0 = Instant::now();
+    let call = start(&mut s, req_to("/library.v1.Library/GetBook")).await;
+    let (_, _a1, _) = arrives(&mut s.handle).await;
+    let (_, hedge, at) = arrives(&mut s.handle).await;
+    let after = at - t0;
+    hedge.send_response(ok());
+    call.await.unwrap().unwrap();
+    assert_eq!(after, 20 * MS, "GetBook hedged after another method's p90");
+}
+
+/// Reports `inst-N` for the N-th request it gets, as a balancer below would.
+#[derive(Clone)]
+struct Reporter {
+    inner: mock::Mock<Request<Body>, Response<Body>>,
+    n: Arc<Mutex<u32>>,
+}
+
+impl Service<Request<Body>> for Reporter {
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = mock::future::ResponseFuture<Response<Body>>;
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let mut n = self.n.lock().unwrap();
+        *n += 1;
+        if let Some(p) = req.extensions().get::<tonic_retry::PickedInstance>() {
+            p.set(HeaderValue::from_str(&format!("inst-{n}")).unwrap());
+        }
+        self.inner.call(req)
+    }
+}
+
+// 5. Every hedge names the instances in flight.
+#[tokio::test(start_paused = true)]
+async fn each_hedge_names_every_instance_in_flight() {
+    let layer = RetryLayer::new(policy(3, 10), budget());
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(Reporter {
+        inner,
+        n: Arc::default(),
+    });
+    let ready = svc.ready().await.unwrap();
+    let call = tokio::spawn(ready.call(request()));
+    let (_r1, _a1) = handle.next_request().await.unwrap();
+    let (r2, _a2) = handle.next_request().await.unwrap();
+    let (r3, a3) = handle.next_request().await.unwrap();
+    let mark = |r: &Request<Body>| {
+        r.headers()
+            .get("x-already-tried")
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    let (m2, m3) = (mark(&r2), mark(&r3));
+    a3.send_response(ok());
+    call.await.unwrap().unwrap();
+    assert_eq!(m2, "inst-1", "hedge 2 names attempt 1's instance");
+    assert!(
+        m3.contains("inst-1") && m3.contains("inst-2"),
+        "hedge 3: {m3:?}"
+    );
+}
+
+// 3. RetryThrottle: hedges only while tokens > max/2; only non-fatal answers charge.
+#[tokio::test(start_paused = true)]
+async fn throttle_stops_hedges_at_half_and_charges_non_fatal_only() {
+    let throttle = tonic_retry::RetryThrottle::new(10.0, 0.1).unwrap();
+    let layer = RetryLayer::with_budget(policy(3, 10), throttle.clone());
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    // A fatal answer: nothing charged.
+    let ready = svc.ready().await.unwrap();
+    let call = tokio::spawn(ready.call(request()));
+    let (_, a1) = handle.next_request().await.unwrap();
+    a1.send_response(status(Code::NotFound));
+    call.await.unwrap().unwrap();
+    assert_eq!(throttle.available(), Some(10.0));
+    // Non-fatal answers: one token each.
+    let ready = svc.ready().await.unwrap();
+    let call = tokio::spawn(ready.call(request()));
+    for _ in 0..3 {
+        let (_, a) = handle.next_request().await.unwrap();
+        a.send_response(status(Code::Unavailable));
+    }
+    call.await.unwrap().unwrap();
+    assert_eq!(throttle.available(), Some(7.0));
+    // 2 more non-fatal → 5 = max/2: no hedge.
+    let ready = svc.ready().await.unwrap();
+    let call = tokio::spawn(ready.call(request()));
+    for _ in 0..2 {
+        let (_, a) = handle.next_request().await.unwrap();
+        a.send_response(status(Code::Unavailable));
+    }
+    tokio::time::sleep(50 * MS).await;
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "5 tokens of 10: no hedge"
+    );
+    let r = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&r), Code::Unavailable);
+    assert_eq!(throttle.available(), Some(5.0));
+}
+
+// 7. Extreme values.
+#[tokio::test(start_paused = true)]
+async fn extreme_delays_do_not_panic() {
+    for d in [
+        Duration::MAX,
+        Duration::from_secs(u64::MAX),
+        Duration::from_nanos(1),
+    ] {
+        let p = HedgePolicy::new(5, d)
+            .unwrap()
+            .with_adaptive_delay(1.0, Duration::MAX, Duration::MAX)
+            .unwrap()
+            .with_max_extra_load(Some(4.0))
+            .unwrap()
+            .with_settings_of(
+                &RetryPolicy::default()
+                    .with_max_server_delay(Duration::MAX)
+                    .with_attempt_timeout(Duration::MAX)
+                    .with_total_timeout(Duration::MAX),
+            );
+        let mut s = hedged(p, budget());
+        let call = start(&mut s, request()).await;
+        let (_, a1, _) = arrives(&mut s.handle).await;
+        let mut pushed = status(Code::Unavailable);
+        pushed.headers_mut().insert(
+            "grpc-retry-pushback-ms",
+            HeaderValue::from_static("9223372036854775807"),
+        );
+        a1.send_response(pushed);
+        tokio::time::sleep(10 * MS).await;
+        call.abort();
+        let _ = call.await;
+    }
+}
+
+/// What a call gets when attempt 1 answers UNAVAILABLE at once and the next
+/// attempt is refused (by the budget, or for lack of time).
+async fn refused_after_non_fatal(
+    policy: RetryPolicy,
+    budget: RetryBudget,
+    timeout: Option<&'static str>,
+) -> (Code, Option<String>, u64) {
+    let layer = RetryLayer::new(policy, budget);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let req = match timeout {
+        Some(t) => with_timeout(request(), t),
+        None => request(),
+    };
+    let ready = svc.ready().await.unwrap();
+    let call = tokio::spawn(ready.call(req));
+    let (_, a1) = handle.next_request().await.unwrap();
+    tokio::time::sleep(40 * MS).await;
+    a1.send_response(status(Code::Unavailable));
+    let r = call.await.unwrap().unwrap();
+    tokio::time::sleep(100 * MS).await;
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "no second attempt"
+    );
+    let pushback = r
+        .headers()
+        .get("grpc-retry-pushback-ms")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (code_of(&r), pushback, layer.metrics().marked())
+}
+
+// 2/§11: a call whose next attempt the budget refused is marked "do not retry"
+// for the layers above — for a retried call, not for a hedged one.
+#[tokio::test(start_paused = true)]
+async fn budget_refusal_is_marked_for_the_layers_above() {
+    let poor = || RetryBudget::new(1, 0.001).unwrap();
+    let retry =
+        RetryPolicy::new(2, Duration::from_millis(5), Duration::from_millis(5), 0.0).unwrap();
+    let retried = refused_after_non_fatal(retry, poor(), None).await;
+    let hedged = refused_after_non_fatal(policy(2, 1000).into(), poor(), None).await;
+    eprintln!("retried: {retried:?}\nhedged:  {hedged:?}");
+    assert_eq!(
+        retried.1.as_deref(),
+        Some("-1"),
+        "control: the retried call is marked"
+    );
+    assert_eq!(
+        hedged.1.as_deref(),
+        Some("-1"),
+        "the hedged call, refused a hedge by the budget, is not marked"
+    );
+}
+
+// Same for a call refused its next attempt by the deadline (min attempt budget).
+#[tokio::test(start_paused = true)]
+async fn deadline_refusal_is_marked_for_the_layers_above() {
+    let retry =
+        RetryPolicy::new(2, Duration::from_millis(5), Duration::from_millis(5), 0.0).unwrap();
+    let retried = refused_after_non_fatal(retry, budget(), Some("50m")).await;
+    let hedged = refused_after_non_fatal(policy(2, 1000).into(), budget(), Some("50m")).await;
+    eprintln!("retried: {retried:?}\nhedged:  {hedged:?}");
+    assert_eq!(
+        retried.1.as_deref(),
+        Some("-1"),
+        "control: the retried call is marked"
+    );
+    assert_eq!(
+        hedged.1.as_deref(),
+        Some("-1"),
+        "the hedged call, refused a hedge by the deadline, is not marked"
+    );
+}
+
+// 2. An attempt cut by the per-attempt timeout got no answer: it must not
+// commit, and the hedge still in flight must go on.
+#[tokio::test(start_paused = true)]
+async fn a_per_attempt_timeout_does_not_kill_the_hedge_in_flight() {
+    let p = policy(2, 10).with_settings_of(&RetryPolicy::default().with_attempt_timeout(50 * MS));
+    let mut s = hedged(p, budget());
+    let call = start(&mut s, request()).await;
+    let (_, _a1, _) = arrives(&mut s.handle).await; // never answers
+    let (_, a2, _) = arrives(&mut s.handle).await; // sent at 10 ms, times out at 60 ms
+    // At 55 ms: attempt 1 was cut at 50 ms, attempt 2 still has time.
+    tokio::time::sleep(45 * MS).await;
+    let cancelled = dropped(&s, 1);
+    a2.send_response(ok());
+    let r = call.await.unwrap().unwrap();
+    assert_eq!(
+        (code_of(&r), cancelled),
+        (Code::Ok, false),
+        "caller got {:?} {:?}; hedge 2 cancelled: {cancelled}",
+        code_of(&r),
+        message_of(&r)
+    );
+}

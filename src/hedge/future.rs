@@ -24,8 +24,9 @@ use crate::body::{Credit, ResponseBody};
 use crate::budget::Budget;
 use crate::call::{failure_response, mark_given_up, no_response_message, previous_attempts};
 use crate::classify::{
-    Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
+    Verdict, classify_error, classify_response, describe, repair_status_details,
 };
+use crate::hedge::Latencies;
 use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS, PickedInstance};
 use crate::metrics::Event;
 use crate::policy::RetryPolicy;
@@ -90,6 +91,11 @@ pin_project! {
         // Why the last attempt that was never sent was not, for a call none
         // of whose attempts was.
         unsent: Option<Failure>,
+        // A hedge was refused by the budget, the extra-load cap or the time
+        // left: a failure then is marked for the layers above (§11).
+        refused: bool,
+        // With an adaptive delay: the latencies of the call's method.
+        latencies: Option<Arc<Latencies>>,
     }
 }
 
@@ -107,6 +113,13 @@ where
     ) -> Self {
         // Hedges read the body side by side with the attempt before them.
         request.body().set_concurrent();
+        let latencies = shared
+            .policies
+            .get(policy)
+            .hedge
+            .as_deref()
+            .and_then(|plan| plan.adaptive.as_ref())
+            .map(|adaptive| adaptive.of(request.uri().path()));
         Self {
             attempt: attempt.without_report(),
             shared,
@@ -122,6 +135,8 @@ where
             failed: tried,
             last: None,
             unsent: None,
+            refused: false,
+            latencies,
         }
     }
 }
@@ -175,18 +190,31 @@ where
                     this.shared,
                     picked,
                     (done.number, done.started),
+                    this.latencies.as_deref(),
                     this.sent,
                     this.failed,
                     this.last,
                 );
                 match judged {
                     Judged::Commit(response) => {
+                        // Nothing more is copied, and the copy goes once the
+                        // winner has read past it (§7).
+                        if let Some(template) = this.template.as_ref() {
+                            template.body().release_to(done.number);
+                        }
                         // The others are drained, not reset (see
                         // `crate::drain`); dropping the template lets the
                         // body's copy go once the winner has sent it.
                         for loser in this.inflight.drain(..) {
                             let mut future = loser.future;
-                            future.as_mut().abandon();
+                            // A hedge never sent gives its place under the
+                            // cap back.
+                            if !future.as_mut().abandon()
+                                && loser.number > 1
+                                && let Some((_, account)) = &plan.extra_load
+                            {
+                                account.refund();
+                            }
                         }
                         *this.template = None;
                         return Poll::Ready(response);
@@ -203,6 +231,7 @@ where
                                 let at = Instant::now() + d;
                                 if this.deadline.is_some_and(|end| at >= end) {
                                     *this.frozen = true;
+                                    *this.refused = true;
                                 }
                                 *this.timer = Some(Box::pin(tokio::time::sleep_until(at)));
                                 *this.due = false;
@@ -213,6 +242,15 @@ where
                     }
                     Judged::Unsent(failure) => {
                         *this.frozen = true;
+                        if done.number > 1 {
+                            // Never sent: its place under the cap is given back.
+                            if let Some((_, account)) = &plan.extra_load {
+                                account.refund();
+                            }
+                            if matches!(failure, Failure::NoBudget | Failure::Cut { .. }) {
+                                *this.refused = true;
+                            }
+                        }
                         *this.unsent = Some(failure);
                     }
                     Judged::Deadline => {
@@ -237,8 +275,8 @@ where
 
             // Send the next attempt, if one is due and may go.
             if *this.due && !*this.frozen && *this.started < policy.max_attempts {
-                match may_hedge(this.template, *this.started, plan, cx) {
-                    Poll::Ready(true) => {
+                match may_hedge(this.template, *this.started, plan) {
+                    May::Send => {
                         let template = this.template.as_ref().expect("checked by may_hedge");
                         let request = next_request(
                             template,
@@ -265,16 +303,17 @@ where
                         *this.started = number;
                         // No delay means no timer: a zero-length one would
                         // still wait for the timer's next tick.
-                        let delay = plan.delay_now();
+                        let delay = plan.delay_now(this.latencies.as_deref());
                         *this.due = delay.is_zero();
                         *this.timer =
                             (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)));
                         progressed = true;
                     }
-                    Poll::Ready(false) => *this.frozen = true,
-                    // Waiting for the body to be complete: woken when an
-                    // attempt reads more of it.
-                    Poll::Pending => {}
+                    May::NotTheBody => *this.frozen = true,
+                    May::Capped => {
+                        *this.frozen = true;
+                        *this.refused = true;
+                    }
                 }
             }
 
@@ -291,7 +330,7 @@ where
                     return Poll::Ready(give_up(
                         this.last.take(),
                         unsent,
-                        *this.sent,
+                        (*this.sent, *this.refused),
                         policy,
                         this.shared,
                     ));
@@ -304,34 +343,41 @@ where
     }
 }
 
-/// Whether the attempt after `started` ones may be sent now: the first always
-/// may; a hedge needs the body complete and within the replay limit, and a
-/// place under the policy's extra-load cap.
+/// Whether the attempt after `started` ones may be sent now.
+enum May {
+    Send,
+    /// The body is not complete (nor known to fit) when the hedge is due, or
+    /// cannot be sent whole again: the call goes on as it is, and nothing
+    /// waits for the body.
+    NotTheBody,
+    /// The policy's extra-load cap refused it.
+    Capped,
+}
+
+/// The first attempt always may be sent; a hedge needs the body complete and
+/// within the replay limit, and a place under the policy's extra-load cap.
 fn may_hedge<B>(
     template: &Option<Request<ReplayBody<B>>>,
     started: u32,
     plan: &crate::hedge::HedgePlan,
-    cx: &Context<'_>,
-) -> Poll<bool> {
+) -> May {
     let Some(template) = template else {
-        return Poll::Ready(false);
+        return May::NotTheBody;
     };
     if started == 0 {
         if let Some((_, account)) = &plan.extra_load {
             // Every call earns its fraction of a hedge.
             account.deposit();
         }
-        return Poll::Ready(true);
+        return May::Send;
     }
-    match template.body().poll_complete(cx) {
-        Poll::Pending => return Poll::Pending,
-        Poll::Ready(Err(_)) => return Poll::Ready(false),
-        Poll::Ready(Ok(())) => {}
+    if !template.body().is_hedgeable() {
+        return May::NotTheBody;
     }
-    Poll::Ready(match &plan.extra_load {
-        Some((_, account)) => account.try_withdraw(),
-        None => true,
-    })
+    match &plan.extra_load {
+        Some((_, account)) if !account.try_withdraw() => May::Capped,
+        _ => May::Send,
+    }
 }
 
 /// The request for the attempt after `started` ones: a copy of the
@@ -345,6 +391,7 @@ fn next_request<B, F>(
     policy: &RetryPolicy,
 ) -> Request<ReplayBody<B>> {
     let mut body = template.body().clone();
+    body.set_attempt(started + 1);
     if started > 0 {
         body.set_hedge();
     }
@@ -392,6 +439,7 @@ fn judge<RB, Bu: Budget>(
     shared: &Arc<Shared<Bu>>,
     picked: Option<HeaderValue>,
     (number, started): (u32, Instant),
+    latencies: Option<&Latencies>,
     sent: &mut u32,
     failed: &mut AlreadyTried,
     last: &mut Option<Last>,
@@ -418,16 +466,18 @@ fn judge<RB, Bu: Budget>(
             return Judged::Deadline;
         }
         Err(Failure::Cut { why, sent: true }) => {
+            // Cut by its own timeout (or a timer below) while the call has
+            // time: no response at all, which is non-fatal (§13) whatever the
+            // set says of DEADLINE_EXCEEDED, and the other attempts go on.
             *sent += 1;
-            let verdict = classify_timeout(non_fatal);
-            if matches!(verdict, Verdict::Final(_)) {
-                shared.metrics.record(Event::Attempt);
-                return Judged::Commit(status_response(Code::DeadlineExceeded, why.message()));
-            }
             *last = Some(Last::Status {
                 code: Code::DeadlineExceeded,
                 message: why.message(),
             });
+            let verdict = Verdict::Retryable {
+                code: Code::DeadlineExceeded,
+                server_delay: None,
+            };
             (verdict, None)
         }
         Err(Failure::Transport(error)) => {
@@ -467,7 +517,7 @@ fn judge<RB, Bu: Budget>(
                 repair_status_details(response.headers_mut());
             }
             if code == Code::Ok
-                && let Some(latencies) = policy.hedge.as_deref().and_then(|p| p.adaptive.as_ref())
+                && let Some(latencies) = latencies
             {
                 latencies.record(started.elapsed());
             }
@@ -507,11 +557,12 @@ fn judge<RB, Bu: Budget>(
 }
 
 /// The call's end when no attempt committed: the last non-fatal failure,
-/// marked "do not retry" for the layers above if a hedge was sent (§11).
+/// marked "do not retry" for the layers above if a hedge was sent, or one was
+/// refused by the budget, the cap or the time left after an attempt was (§11).
 fn give_up<RB, Bu>(
     last: Option<Last>,
     unsent: Option<Failure>,
-    sent: u32,
+    (sent, refused): (u32, bool),
     policy: &RetryPolicy,
     shared: &Shared<Bu>,
 ) -> Response<ResponseBody<RB>> {
@@ -536,7 +587,7 @@ fn give_up<RB, Bu>(
             None => status_response(Code::Unavailable, "no attempt of the call could be sent"),
         },
     };
-    if policy.retry_at_one_layer && sent > 1 {
+    if policy.retry_at_one_layer && (sent > 1 || (sent > 0 && refused)) {
         mark_given_up(&mut response, &shared.metrics);
     }
     response

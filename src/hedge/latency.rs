@@ -5,10 +5,13 @@
 //! atomic counts: recording is one add, lock-free, from any thread. The
 //! older half is cleared as the window slides past it, so the percentile
 //! reflects the last one to two half-windows. Reading a percentile scans the
-//! buckets, so the delay is read from it at most every sixteenth of the
-//! window and kept in between.
+//! buckets, so the delay is read from it at most every 10 ms (or sixteenth
+//! of a half-window, if sooner) and kept in between; until the window holds
+//! enough samples, it is read at every call.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -18,6 +21,9 @@ const BUCKETS: usize = 160;
 
 /// Buckets per power of two.
 const STEPS: u32 = 4;
+
+/// The longest a delay read from the window is kept before it is read again.
+const REREAD: Duration = Duration::from_millis(10);
 
 pub(crate) struct Latencies {
     /// When the window started; half-windows are counted from it.
@@ -135,18 +141,18 @@ impl Latencies {
     /// The hedging delay: the percentile of the window's latencies, not
     /// below the floor; `configured` until the window holds enough samples.
     pub(crate) fn delay(&self, configured: Duration) -> Duration {
-        let elapsed = Instant::now()
-            .saturating_duration_since(self.start)
-            .as_nanos();
-        // Read afresh every sixteenth of a half-window at most.
-        let at = (elapsed / (self.half.as_nanos() / 16).max(1)) as u64;
-        if self.cached_at.load(Ordering::Relaxed) == at {
-            return match self.cached.load(Ordering::Relaxed) {
-                0 => configured,
-                micros => Duration::from_micros(micros),
-            };
+        let now = Instant::now();
+        let elapsed = now.saturating_duration_since(self.start).as_nanos();
+        // Read afresh every sixteenth of a half-window, or every 10 ms if
+        // that is sooner; and at every call until the window holds enough
+        // samples, so that the first estimate is used as soon as it exists.
+        let period = (self.half.as_nanos() / 16).clamp(1, REREAD.as_nanos());
+        let at = (elapsed / period) as u64;
+        let cached = self.cached.load(Ordering::Relaxed);
+        if cached != 0 && self.cached_at.load(Ordering::Relaxed) == at {
+            return Duration::from_micros(cached);
         }
-        let micros = self.percentile_micros(at / 16);
+        let micros = self.percentile_micros(self.tick(now));
         self.cached.store(micros.unwrap_or(0), Ordering::Relaxed);
         self.cached_at.store(at, Ordering::Relaxed);
         match micros {
@@ -182,6 +188,62 @@ impl Latencies {
             .unwrap_or(BUCKETS - 1);
         let floor = u64::try_from(self.floor.as_micros()).unwrap_or(u64::MAX);
         Some(upper(index).max(floor).max(1))
+    }
+}
+
+/// The most methods one policy keeps latencies of apart; the methods past
+/// it share one window.
+const MAX_METHODS: usize = 256;
+
+/// One window of latencies per method (a policy given as a service's or the
+/// default one serves many, and each has latencies of its own).
+pub(crate) struct PerMethod {
+    /// The settings every method's window is made with.
+    settings: Latencies,
+    methods: RwLock<HashMap<Box<str>, Arc<Latencies>>>,
+    /// For the methods past [`MAX_METHODS`].
+    others: Arc<Latencies>,
+}
+
+impl PerMethod {
+    pub(crate) fn new(settings: Latencies) -> Self {
+        Self {
+            others: Arc::new(settings.fresh()),
+            settings,
+            methods: RwLock::default(),
+        }
+    }
+
+    /// Empty windows with the same settings.
+    pub(crate) fn fresh(&self) -> Self {
+        Self::new(self.settings.fresh())
+    }
+
+    /// The window of the method at `path` (`/package.Service/Method`).
+    pub(crate) fn of(&self, path: &str) -> Arc<Latencies> {
+        let read = self.methods.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(latencies) = read.get(path) {
+            return Arc::clone(latencies);
+        }
+        let full = read.len() >= MAX_METHODS;
+        drop(read);
+        if full {
+            return Arc::clone(&self.others);
+        }
+        let mut write = self.methods.write().unwrap_or_else(PoisonError::into_inner);
+        if write.len() >= MAX_METHODS {
+            return Arc::clone(&self.others);
+        }
+        let latencies = write
+            .entry(path.into())
+            .or_insert_with(|| Arc::new(self.settings.fresh()));
+        Arc::clone(latencies)
+    }
+}
+
+impl std::fmt::Debug for PerMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.settings.fmt(f)
     }
 }
 

@@ -36,7 +36,7 @@ mod future;
 mod latency;
 
 pub(crate) use future::HedgeFuture;
-use latency::Latencies;
+pub(crate) use latency::{Latencies, PerMethod};
 
 use std::fmt;
 use std::sync::Arc;
@@ -101,7 +101,7 @@ pub(crate) struct HedgePlan {
     pub(crate) delay: Duration,
     /// When the delay follows the method's latency: its recent successful
     /// attempts.
-    pub(crate) adaptive: Option<Latencies>,
+    pub(crate) adaptive: Option<PerMethod>,
     /// The extra-load cap, as a fraction of calls, and the account that
     /// keeps hedges to it: every call deposits the fraction, every hedge
     /// takes one. `None`: no cap but the budget's.
@@ -132,9 +132,10 @@ impl HedgePlan {
         }
     }
 
-    /// The delay before the next hedge now.
-    pub(crate) fn delay_now(&self) -> Duration {
-        match &self.adaptive {
+    /// The delay before the next hedge now, for a call whose method's
+    /// latencies (with an adaptive delay) are `latencies`.
+    pub(crate) fn delay_now(&self, latencies: Option<&Latencies>) -> Duration {
+        match latencies {
             Some(latencies) => latencies.delay(self.delay),
             None => self.delay,
         }
@@ -198,14 +199,16 @@ impl HedgePolicy {
         }
         let plan = self.plan();
         let mut new = HedgePlan::new(plan.delay, fraction);
-        new.adaptive = plan.adaptive.as_ref().map(Latencies::fresh);
+        new.adaptive = plan.adaptive.as_ref().map(PerMethod::fresh);
         self.policy.hedge = Some(Arc::new(new));
         Ok(self)
     }
 
     /// Makes the delay follow the method's latency (beyond A6): the
     /// `percentile` (e.g. `0.95`) of the latencies of its successful
-    /// attempts over the last `window`, never below `floor`. Until the
+    /// attempts over the last `window`, never below `floor`. Each method the
+    /// policy serves has a window of its own (the first 256; any more share
+    /// one). Until the
     /// window holds 100 of them the configured delay is used, so the policy
     /// hedges from its first call.
     ///
@@ -245,12 +248,12 @@ impl HedgePolicy {
         }
         let plan = self.plan();
         let mut new = HedgePlan::new(plan.delay, self.max_extra_load());
-        new.adaptive = Some(Latencies::new(
+        new.adaptive = Some(PerMethod::new(Latencies::new(
             window,
             percentile,
             floor,
             ADAPTIVE_MIN_SAMPLES,
-        ));
+        )));
         self.policy.hedge = Some(Arc::new(new));
         Ok(self)
     }
@@ -275,11 +278,11 @@ impl HedgePolicy {
         self.policy.max_attempts
     }
 
-    /// The time between one attempt and the next hedge: the configured
-    /// delay, or with [`with_adaptive_delay`](Self::with_adaptive_delay) the
-    /// one it follows now.
+    /// The time between one attempt and the next hedge, as configured; with
+    /// [`with_adaptive_delay`](Self::with_adaptive_delay), the one each
+    /// method starts from until its own latencies say otherwise.
     pub fn delay(&self) -> Duration {
-        self.plan().delay_now()
+        self.plan().delay
     }
 
     /// The codes that commit nothing.
