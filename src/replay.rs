@@ -102,6 +102,8 @@ struct Shared<B> {
     fits: bool,
     ended: bool,
     failed: bool,
+    /// The caller's body once answered `Pending`: it is not all there.
+    stalled: bool,
     trailers: Option<HeaderMap>,
     /// Clones waiting for the source to make progress.
     waiting: Vec<Waker>,
@@ -301,6 +303,7 @@ impl<B: Body> ReplayBody<B> {
                 live_pos: 0,
                 only: final_attempt.then_some(0),
                 released: final_attempt,
+                stalled: false,
                 concurrent: false,
                 fits,
                 ended: false,
@@ -452,6 +455,28 @@ impl<B> ReplayBody<B> {
     pub(crate) fn is_hedgeable(&self) -> bool {
         let shared = self.lock();
         shared.replay_state().is_ok() && (shared.ended || shared.fits)
+    }
+
+    /// Whether a hedge due now can send the whole body: `true` as
+    /// [`is_hedgeable`](Self::is_hedgeable); `false` once it cannot be, or
+    /// once the caller's body has answered `Pending` (it is not all there:
+    /// a streaming body is not hedged, and nothing waits for it). Pending
+    /// while the first attempt has yet to read a body that has not stalled,
+    /// woken as it reads: a unary body the attempt is about to send is
+    /// hedged, even with no delay.
+    pub(crate) fn poll_hedgeable(&self, cx: &Context<'_>) -> Poll<bool> {
+        let mut shared = self.lock();
+        if shared.replay_state().is_err() {
+            return Poll::Ready(false);
+        }
+        if shared.ended || shared.fits {
+            return Poll::Ready(true);
+        }
+        if shared.stalled || shared.failed || shared.source.is_none() {
+            return Poll::Ready(false);
+        }
+        shared.wait(cx);
+        Poll::Pending
     }
 }
 
@@ -644,6 +669,7 @@ where
         let polled = Pin::new(source).poll_frame(cx);
         let out = match polled {
             Poll::Pending => {
+                shared.stalled = true;
                 shared.wait(cx);
                 this.waited = true;
                 return Poll::Pending;

@@ -638,7 +638,8 @@ async fn a_committed_hedged_call_holds_no_replay_copy() {
     );
 }
 
-// 6. A body incomplete when the hedge is due is not hedged — not later either.
+/// A body incomplete when the hedge is due (the caller's body stalled: it
+/// answered the attempt reading it `Pending`) is not hedged, not later either.
 #[tokio::test(start_paused = true)]
 async fn a_body_incomplete_when_the_hedge_is_due_is_not_hedged_later() {
     let mut s = hedged(policy(2, 10), budget());
@@ -649,6 +650,8 @@ async fn a_body_incomplete_when_the_hedge_is_due_is_not_hedged_later() {
     let mut body = r1.into_body();
     tx.send(data("part")).unwrap();
     assert_eq!(next_data(&mut body).await, "part");
+    // The HTTP stream reads on, as h2 does, and finds nothing more yet.
+    assert!(body.frame().now_or_never().is_none());
     tokio::time::sleep(50 * MS).await;
     assert!(nothing_more(&mut s.handle), "due at 10 ms, body incomplete");
     drop(tx);
@@ -926,4 +929,25 @@ async fn a_per_attempt_timeout_does_not_kill_the_hedge_in_flight() {
         code_of(&r),
         message_of(&r)
     );
+}
+
+/// With no delay the hedge is due before the first attempt has read the body
+/// (tonic's unary body has no known size): it goes as soon as that attempt
+/// has read the body through without the body ever stalling.
+#[tokio::test(start_paused = true)]
+async fn a_zero_delay_hedges_a_body_once_the_first_attempt_has_read_it_through() {
+    let mut s = hedged(policy(2, 0), budget());
+    let (tx, req) = streaming_request();
+    tx.send(data("whole")).unwrap();
+    drop(tx);
+    let call = start(&mut s, req).await;
+    let (r1, a1, _) = arrives(&mut s.handle).await;
+    settle().await;
+    assert!(nothing_more(&mut s.handle), "the body is not read yet");
+    let first = r1.into_body().collect().await.unwrap().to_bytes();
+    let (r2, _a2, _) = arrives(&mut s.handle).await;
+    assert_eq!(first, "whole");
+    assert_eq!(r2.into_body().collect().await.unwrap().to_bytes(), "whole");
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
 }

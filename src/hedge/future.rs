@@ -275,7 +275,7 @@ where
 
             // Send the next attempt, if one is due and may go.
             if *this.due && !*this.frozen && *this.started < policy.max_attempts {
-                match may_hedge(this.template, *this.started, plan) {
+                match may_hedge(this.template, *this.started, plan, cx) {
                     May::Send => {
                         let template = this.template.as_ref().expect("checked by may_hedge");
                         let request = next_request(
@@ -314,6 +314,7 @@ where
                         *this.frozen = true;
                         *this.refused = true;
                     }
+                    May::Wait => {}
                 }
             }
 
@@ -352,6 +353,9 @@ enum May {
     NotTheBody,
     /// The policy's extra-load cap refused it.
     Capped,
+    /// The first attempt has yet to read the body, which has not stalled:
+    /// woken as it reads.
+    Wait,
 }
 
 /// The first attempt always may be sent; a hedge needs the body complete and
@@ -360,6 +364,7 @@ fn may_hedge<B>(
     template: &Option<Request<ReplayBody<B>>>,
     started: u32,
     plan: &crate::hedge::HedgePlan,
+    cx: &Context<'_>,
 ) -> May {
     let Some(template) = template else {
         return May::NotTheBody;
@@ -371,8 +376,10 @@ fn may_hedge<B>(
         }
         return May::Send;
     }
-    if !template.body().is_hedgeable() {
-        return May::NotTheBody;
+    match template.body().poll_hedgeable(cx) {
+        Poll::Pending => return May::Wait,
+        Poll::Ready(false) => return May::NotTheBody,
+        Poll::Ready(true) => {}
     }
     match &plan.extra_load {
         Some((_, account)) if !account.try_withdraw() => May::Capped,
