@@ -373,14 +373,20 @@ impl RetryPolicy {
     /// instance needs longer than `timeout`, every attempt times out and the
     /// call fails with `DEADLINE_EXCEEDED` after using its attempts.
     ///
-    /// The server is sent the attempt's limit as `grpc-timeout`, so it bounds
-    /// a streamed response too: a server that ends the stream when it runs
-    /// out reaches the caller as `DEADLINE_EXCEEDED`.
+    /// The limit is the client's own: the server is sent the call's deadline
+    /// as `grpc-timeout` (none, with no deadline), and an attempt the limit
+    /// cuts is not reset but read to its end in a task of its own, bounded
+    /// by that deadline (else 10 s) and 64 KiB of body. A reset would cross
+    /// the server's answer already on its way, and under load h2's limits on
+    /// such frames (50 reset streams remembered for a second, then 1,024
+    /// frames on forgotten ones) close the whole connection with
+    /// `too_many_internal_resets`. The same would happen if the server were
+    /// sent the attempt's limit: tonic's Channel resets the stream when the
+    /// `grpc-timeout` it sent runs out, at the moment the server answers.
     ///
-    /// Each cut attempt resets its HTTP/2 stream, and under load h2's default
-    /// limits on reset streams (50 remembered for a second) can close a whole
-    /// connection (`too_many_internal_resets`). Raise them on the channel's
-    /// `Endpoint`:
+    /// The resets that remain (a drain past its bound, a call the caller
+    /// drops, a deadline) are counted only past what h2 remembers. Raise that
+    /// on the channel's `Endpoint` where calls are cut in numbers:
     ///
     /// ```no_run
     /// # use std::time::Duration;
