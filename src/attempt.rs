@@ -388,6 +388,14 @@ struct DrainWith<F> {
     metrics: RetryMetrics,
 }
 
+impl<F> DrainWith<F> {
+    /// Drains `future`, the attempt of a call with `deadline`.
+    fn hand(&self, future: Pin<Box<F>>, deadline: Option<Instant>) {
+        let metrics = self.metrics.clone();
+        (self.drainer)(future, Drain { deadline, metrics });
+    }
+}
+
 /// The state of an attempt just sent: its future boxed if it may be drained
 /// (a box can be handed to the drain; a pinned future cannot).
 fn called<S, R, F, H>(future: F, drainable: bool) -> State<S, R, F, H> {
@@ -491,20 +499,12 @@ where
     /// than reset; otherwise it is simply dropped after this. Whether it was
     /// sent.
     pub(crate) fn abandon(self: Pin<&mut Self>) -> bool {
-        let this = self.project();
-        let state = this.state.project();
-        let sent = !matches!(state, StateProj::Readying { .. });
-        if let StateProj::Sent { future } = state
-            && let Some(inner) = future.take()
-            && let Some(drain) = this.drain.as_ref()
+        let mut this = self.project();
+        let sent = !matches!(this.state.as_mut().project(), StateProj::Readying { .. });
+        if let Some(drain) = this.drain.as_ref()
+            && let Some(inner) = take_sent(this.state)
         {
-            (drain.drainer)(
-                inner,
-                Drain {
-                    deadline: *this.deadline,
-                    metrics: drain.metrics.clone(),
-                },
-            );
+            drain.hand(inner, *this.deadline);
         }
         sent
     }
@@ -527,7 +527,7 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        loop {
+        let polled = loop {
             match this.state.as_mut().project() {
                 StateProj::Readying { waiting } => {
                     let (service, request) = &mut **waiting;
@@ -559,54 +559,12 @@ where
                     this.state.set(State::Failed { failure: None });
                     return Poll::Ready(Err(failure));
                 }
-                StateProj::Called { future } => {
-                    if let Poll::Ready(result) = future.poll(cx) {
-                        this.timer.set(None);
-                        let result = result.map_err(*this.into_box);
-                        return Poll::Ready(outcome(result, *this.cut, *this.deadline));
-                    }
-                    let Some((_, why)) = *this.cut else {
-                        return Poll::Pending;
-                    };
-                    if !fired(this.timer.as_mut(), cx) {
-                        return Poll::Pending;
-                    }
-                    // NOTE: dropping the attempt's future cancels its HTTP stream.
-                    this.state.set(State::Failed { failure: None });
-                    return Poll::Ready(Err(Failure::Cut { why, sent: true }));
-                }
+                StateProj::Called { future } => break future.poll(cx),
                 StateProj::Sent { future } => {
                     let Some(inner) = future.as_mut() else {
                         panic!("an attempt was polled after it completed");
                     };
-                    if let Poll::Ready(result) = inner.as_mut().poll(cx) {
-                        this.timer.set(None);
-                        this.state.set(State::Failed { failure: None });
-                        let result = result.map_err(*this.into_box);
-                        return Poll::Ready(outcome(result, *this.cut, *this.deadline));
-                    }
-                    let Some((_, why)) = *this.cut else {
-                        return Poll::Pending;
-                    };
-                    if !fired(this.timer.as_mut(), cx) {
-                        return Poll::Pending;
-                    }
-                    // Cut by its own timeout, the attempt still has the
-                    // deadline the server was sent: drained, not reset. At
-                    // the deadline, tonic's Channel resets it anyway.
-                    if let (Cut::AttemptTimeout(_), Some(inner)) = (why, future.take())
-                        && let Some(drain) = this.drain.as_ref()
-                    {
-                        (drain.drainer)(
-                            inner,
-                            Drain {
-                                deadline: *this.deadline,
-                                metrics: drain.metrics.clone(),
-                            },
-                        );
-                    }
-                    this.state.set(State::Failed { failure: None });
-                    return Poll::Ready(Err(Failure::Cut { why, sent: true }));
+                    break inner.as_mut().poll(cx);
                 }
                 StateProj::Hedged { future } => return future.as_mut().poll(cx).map(Ok),
                 StateProj::Failed { failure } => {
@@ -616,7 +574,40 @@ where
                     return Poll::Ready(Err(failure));
                 }
             }
+        };
+        // Sent: its answer, or its cut.
+        if let Poll::Ready(result) = polled {
+            this.timer.set(None);
+            this.state.set(State::Failed { failure: None });
+            let result = result.map_err(*this.into_box);
+            return Poll::Ready(outcome(result, *this.cut, *this.deadline));
         }
+        let Some((_, why)) = *this.cut else {
+            return Poll::Pending;
+        };
+        if !fired(this.timer.as_mut(), cx) {
+            return Poll::Pending;
+        }
+        // Cut by its own timeout, the attempt still has the deadline the
+        // server was sent: drained, not reset. Cut by the deadline, it is
+        // dropped, which resets its stream (tonic's Channel would reset it
+        // there anyway).
+        if let Cut::AttemptTimeout(_) = why
+            && let Some(drain) = this.drain.as_ref()
+            && let Some(inner) = take_sent(this.state.as_mut())
+        {
+            drain.hand(inner, *this.deadline);
+        }
+        this.state.set(State::Failed { failure: None });
+        Poll::Ready(Err(Failure::Cut { why, sent: true }))
+    }
+}
+
+/// The future of an attempt sent to be drained if abandoned, taken out.
+fn take_sent<S, R, F, H>(state: Pin<&mut State<S, R, F, H>>) -> Option<Pin<Box<F>>> {
+    match state.project() {
+        StateProj::Sent { future } => future.take(),
+        _ => None,
     }
 }
 

@@ -448,17 +448,11 @@ impl<B> ReplayBody<B> {
         self.lock().concurrent = true;
     }
 
-    /// Whether another attempt could send the whole body side by side with
-    /// the ones before it now: the caller's body has been read to its end
-    /// with a copy of all of it kept, or its size is known and within the
-    /// limit (so its copy can never be dropped for it).
-    pub(crate) fn is_hedgeable(&self) -> bool {
-        let shared = self.lock();
-        shared.replay_state().is_ok() && (shared.ended || shared.fits)
-    }
-
-    /// Whether a hedge due now can send the whole body: `true` as
-    /// [`is_hedgeable`](Self::is_hedgeable); `false` once it cannot be, or
+    /// Whether a hedge due now can send the whole body side by side with the
+    /// attempts before it: `true` once the caller's body has been read to its
+    /// end with a copy of all of it kept, or when its size is known and
+    /// within the limit (so its copy can never be dropped); `false` once it
+    /// cannot be, or
     /// once the caller's body has answered `Pending` (it is not all there:
     /// a streaming body is not hedged, and nothing waits for it). Pending
     /// while the first attempt has yet to read a body that has not stalled,

@@ -207,13 +207,8 @@ where
                         // body's copy go once the winner has sent it.
                         for loser in this.inflight.drain(..) {
                             let mut future = loser.future;
-                            // A hedge never sent gives its place under the
-                            // cap back.
-                            if !future.as_mut().abandon()
-                                && loser.number > 1
-                                && let Some((_, account)) = &plan.extra_load
-                            {
-                                account.refund();
+                            if !future.as_mut().abandon() {
+                                plan.never_sent(loser.number);
                             }
                         }
                         *this.template = None;
@@ -242,14 +237,11 @@ where
                     }
                     Judged::Unsent(failure) => {
                         *this.frozen = true;
-                        if done.number > 1 {
-                            // Never sent: its place under the cap is given back.
-                            if let Some((_, account)) = &plan.extra_load {
-                                account.refund();
-                            }
-                            if matches!(failure, Failure::NoBudget | Failure::Cut { .. }) {
-                                *this.refused = true;
-                            }
+                        plan.never_sent(done.number);
+                        if done.number > 1
+                            && matches!(failure, Failure::NoBudget | Failure::Cut { .. })
+                        {
+                            *this.refused = true;
                         }
                         *this.unsent = Some(failure);
                     }
@@ -324,7 +316,7 @@ where
                     && this
                         .template
                         .as_ref()
-                        .is_some_and(|t| t.body().is_hedgeable());
+                        .is_some_and(|t| t.body().poll_hedgeable(cx) == Poll::Ready(true));
                 if !more {
                     *this.template = None;
                     let unsent = this.unsent.take();

@@ -169,6 +169,16 @@ impl HedgePlan {
         }
     }
 
+    /// Attempt `number` of a call was never sent: a hedge gives its place
+    /// under the extra-load cap back.
+    pub(crate) fn never_sent(&self, number: u32) {
+        if number > 1
+            && let Some((_, account)) = &self.extra_load
+        {
+            account.refund();
+        }
+    }
+
     /// The delay before the next hedge now, for a call whose method's
     /// latencies (with an adaptive delay) are `latencies`.
     pub(crate) fn delay_now(&self, latencies: Option<&Latencies>) -> Duration {
