@@ -199,18 +199,28 @@ mod tests {
         }
     }
 
+    /// Drains `future` for a call with `deadline`; the layer's counters.
+    fn drained<F>(future: F, deadline: Option<Instant>) -> RetryMetrics
+    where
+        F: Future<Output = Result<Response<Frames>, ()>> + Send + 'static,
+    {
+        let metrics = RetryMetrics::default();
+        let drain = Drain {
+            deadline,
+            metrics: metrics.clone(),
+        };
+        spawn(Box::pin(future), drain);
+        metrics
+    }
+
+    fn never() -> std::future::Pending<Result<Response<Frames>, ()>> {
+        std::future::pending()
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_abandoned_attempt_is_read_to_its_end() {
-        let metrics = RetryMetrics::default();
         let (tx, rx) = tokio::sync::oneshot::channel::<Response<Frames>>();
-        let future = Box::pin(rx);
-        spawn(
-            future,
-            Drain {
-                deadline: None,
-                metrics: metrics.clone(),
-            },
-        );
+        let metrics = drained(async { rx.await.map_err(drop) }, None);
         assert_eq!(metrics.draining(), 1);
         let (frames, body) = body();
         tx.send(Response::new(body)).unwrap();
@@ -230,16 +240,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_drain_ends_at_the_deadline() {
-        let metrics = RetryMetrics::default();
         let deadline = Instant::now() + Duration::from_millis(300);
-        let future = Box::pin(std::future::pending::<Result<Response<Frames>, ()>>());
-        spawn(
-            future,
-            Drain {
-                deadline: Some(deadline),
-                metrics: metrics.clone(),
-            },
-        );
+        let metrics = drained(never(), Some(deadline));
         tokio::time::sleep(Duration::from_millis(299)).await;
         settle().await;
         assert_eq!(metrics.draining(), 1);
@@ -253,15 +255,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn without_a_deadline_a_drain_ends_after_its_cap() {
-        let metrics = RetryMetrics::default();
-        let future = Box::pin(std::future::pending::<Result<Response<Frames>, ()>>());
-        spawn(
-            future,
-            Drain {
-                deadline: None,
-                metrics: metrics.clone(),
-            },
-        );
+        let metrics = drained(never(), None);
         tokio::time::sleep(DRAIN_TIME - Duration::from_millis(1)).await;
         settle().await;
         assert_eq!(metrics.draining(), 1);
@@ -272,41 +266,28 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_body_larger_than_the_cap_is_dropped() {
-        let metrics = RetryMetrics::default();
         let (frames, body) = body();
-        let future = Box::pin(async move { Ok::<_, ()>(Response::new(body)) });
-        spawn(
-            future,
-            Drain {
-                deadline: None,
-                metrics: metrics.clone(),
-            },
-        );
+        let metrics = drained(async move { Ok(Response::new(body)) }, None);
         let big = Bytes::from(vec![0u8; DRAIN_BYTES]);
         frames.send(Ok(http_body::Frame::data(big))).await.unwrap();
         settle().await;
         assert_eq!(metrics.draining(), 1, "exactly the cap is read");
         // One byte more is too much: the rest is not waited for.
-        let result = frames
-            .send(Ok(http_body::Frame::data(Bytes::from_static(b"x"))))
-            .await;
+        let one_more = Ok(http_body::Frame::data(Bytes::from_static(b"x")));
+        frames.send(one_more).await.unwrap();
         settle().await;
         assert_eq!((metrics.draining(), metrics.drain_cut()), (0, 1));
-        let _ = result;
     }
 
     #[tokio::test(start_paused = true)]
     async fn no_more_than_the_limit_drain_at_once() {
         let metrics = RetryMetrics::default();
         for _ in 0..MAX_DRAINING + 3 {
-            let future = Box::pin(std::future::pending::<Result<Response<Frames>, ()>>());
-            spawn(
-                future,
-                Drain {
-                    deadline: None,
-                    metrics: metrics.clone(),
-                },
-            );
+            let drain = Drain {
+                deadline: None,
+                metrics: metrics.clone(),
+            };
+            spawn(Box::pin(never()), drain);
         }
         assert_eq!(metrics.draining(), MAX_DRAINING);
         assert_eq!(metrics.drain_refused(), 3);
@@ -314,15 +295,7 @@ mod tests {
 
     #[test]
     fn with_no_runtime_the_attempt_is_dropped() {
-        let metrics = RetryMetrics::default();
-        let future = Box::pin(std::future::pending::<Result<Response<Frames>, ()>>());
-        spawn(
-            future,
-            Drain {
-                deadline: None,
-                metrics: metrics.clone(),
-            },
-        );
+        let metrics = drained(never(), None);
         assert_eq!((metrics.draining(), metrics.drain_refused()), (0, 1));
     }
 }
