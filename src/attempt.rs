@@ -37,7 +37,6 @@ use crate::drain::{Drain, Drainer};
 use crate::hedge::HedgeFuture;
 use crate::marks::AlreadyTried;
 use crate::metrics::{Event, RetryMetrics};
-use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
 use crate::status::GRPC_STATUS;
@@ -146,10 +145,10 @@ where
     limits: Limits,
     /// Whether to ask a balancer below to report each attempt's instance.
     report: bool,
-    /// The least time worth sending a retry with.
-    min_attempt_budget: Duration,
-    /// For a hedged call, its policy: the first call starts the hedge driver.
-    hedge: Option<usize>,
+    /// The call's policy, by its index in the layer's table.
+    policy: usize,
+    /// The call hedges: the first call starts the hedge driver.
+    hedge: bool,
     _body: PhantomData<fn(B)>,
 }
 
@@ -157,16 +156,19 @@ impl<S, B, Bu> Attempt<S, B, Bu>
 where
     S: Service<Request<B>>,
 {
-    /// The attempts of one call under `policy`, the first through `first`,
-    /// which the caller's `poll_ready` made ready if `ready`.
+    /// The attempts of one call under the policy at `index`, the first
+    /// through `first`, which the caller's `poll_ready` made ready if `ready`.
+    /// A hedging policy's one call from tower's `Retry` starts the hedge
+    /// driver, which makes the call's attempts through a plain copy of this.
     pub(crate) fn new(
         first: S,
         ready: bool,
         (into_box, drain): Proven<S, B>,
         shared: Arc<Shared<Bu>>,
-        policy: &RetryPolicy,
+        index: usize,
         limits: Limits,
     ) -> Self {
+        let policy = shared.policies.get(index);
         Self {
             inner: first,
             into_box,
@@ -174,21 +176,13 @@ where
             drainable: limits.attempt_timeout.is_some(),
             first: true,
             ready,
+            report: policy.instance_header.is_some(),
+            hedge: policy.hedge.is_some(),
+            policy: index,
             shared,
             limits,
-            report: policy.instance_header.is_some(),
-            min_attempt_budget: policy.min_attempt_budget,
-            hedge: None,
             _body: PhantomData,
         }
-    }
-
-    /// The attempts of a call that hedges by the policy at `index`: the one
-    /// call tower's `Retry` makes starts the hedge driver, which makes the
-    /// call's attempts through a plain copy of this.
-    pub(crate) fn hedging(mut self, index: usize) -> Self {
-        self.hedge = Some(index);
-        self
     }
 }
 
@@ -221,7 +215,7 @@ where
             shared: Arc::clone(&self.shared),
             limits: self.limits,
             report: self.report,
-            min_attempt_budget: self.min_attempt_budget,
+            policy: self.policy,
             hedge: self.hedge,
             _body: PhantomData,
         }
@@ -247,8 +241,8 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReplayBody<B>>) -> Self::Future {
-        if let Some(index) = self.hedge.take() {
-            return self.start_hedging(index, req);
+        if std::mem::take(&mut self.hedge) {
+            return self.start_hedging(req);
         }
         // NOTE: tower's `Retry` has already cloned the request it keeps for the
         // next retry, so the report slot goes with this attempt only.
@@ -274,12 +268,13 @@ where
                 set_timeout(&mut req, deadline, now);
             }
             let future = self.inner.call(req.map(B::from));
-            let state = called(future, drain.is_some());
             let into_box = self.into_box;
-            let mut attempt =
-                AttemptFuture::new(state, into_box, cut, deadline, None, Duration::ZERO);
-            attempt.drain = drain;
-            return attempt;
+            // NOTE: each arm builds its state where it goes: a state chosen
+            // first and moved after would copy the inner future once more.
+            return match drain {
+                None => AttemptFuture::new(State::Called { future }, into_box, cut, deadline),
+                Some(drain) => AttemptFuture::new(sent(future, drain), into_box, cut, deadline),
+            };
         }
         // Wait for readiness under the timer; then a retry pays, and is sent.
         let service = if first {
@@ -290,13 +285,15 @@ where
             self.inner.clone()
         };
         let state = State::Readying {
-            waiting: Box::new((service, Some(req))),
+            waiting: Box::new(Waiting {
+                service,
+                request: Some(req),
+                drain,
+                retry: (!first).then(|| Arc::clone(&self.shared)),
+                min_attempt_budget: self.shared.policies.get(self.policy).min_attempt_budget,
+            }),
         };
-        let retry = (!first).then(|| Arc::clone(&self.shared));
-        let min = self.min_attempt_budget;
-        let mut attempt = AttemptFuture::new(state, self.into_box, cut, deadline, retry, min);
-        attempt.drain = drain;
-        attempt
+        AttemptFuture::new(state, self.into_box, cut, deadline)
     }
 }
 
@@ -306,11 +303,8 @@ where
 {
     /// The hedge driver for the call of `req`, making its attempts through a
     /// plain copy of this, on the instance the caller readied first.
-    fn start_hedging(
-        &mut self,
-        index: usize,
-        req: Request<ReplayBody<B>>,
-    ) -> AttemptFuture<S, B, Bu> {
+    fn start_hedging(&mut self, req: Request<ReplayBody<B>>) -> AttemptFuture<S, B, Bu> {
+        let index = self.policy;
         let fresh = self.inner.clone();
         let driver = Attempt {
             inner: std::mem::replace(&mut self.inner, fresh),
@@ -323,8 +317,8 @@ where
             shared: Arc::clone(&self.shared),
             limits: self.limits,
             report: self.report,
-            min_attempt_budget: self.min_attempt_budget,
-            hedge: None,
+            policy: self.policy,
+            hedge: false,
             _body: PhantomData,
         };
         let tried = req
@@ -342,19 +336,31 @@ where
             self.into_box,
             None,
             deadline,
-            None,
-            Duration::ZERO,
         )
     }
 }
 
 /// What an attempt is doing.
 type AttemptState<S, B, Bu> = State<
-    S,
-    Request<ReplayBody<B>>,
+    Waiting<S, Request<ReplayBody<B>>, <S as Service<Request<B>>>::Future, Bu>,
     <S as Service<Request<B>>>::Future,
     Pin<Box<HedgeFuture<S, B, Bu>>>,
 >;
+
+/// An attempt waiting for its service to be ready, and what it needs to be
+/// sent then. Boxed in the state: most first attempts never wait, so the
+/// future every call moves does not carry it.
+struct Waiting<S, R, F, Bu> {
+    service: S,
+    request: Option<R>,
+    /// How to drain it once sent, if it may be abandoned.
+    drain: Option<DrainWith<F>>,
+    /// For an attempt after the first: the budget a retry pays from and the
+    /// counters, at send time. `None` for the first attempt.
+    retry: Option<Arc<Shared<Bu>>>,
+    /// The least time worth sending a retry with.
+    min_attempt_budget: Duration,
+}
 
 pin_project! {
     /// One attempt: readiness (for a retry), the inner service's future, and
@@ -371,15 +377,15 @@ pin_project! {
         cut: Option<(Instant, Cut)>,
         // The call's deadline, which the response body keeps to.
         deadline: Option<Instant>,
-        // For an attempt after the first: the budget a retry pays from and
-        // the counters, at send time. `None` for the first attempt.
-        retry: Option<Arc<Shared<Bu>>>,
-        // The least time worth sending a retry with.
-        min_attempt_budget: Duration,
-        // For an attempt that may be abandoned with its stream open: how to
-        // drain it then.
-        drain: Option<DrainWith<<S as Service<Request<B>>>::Future>>,
     }
+}
+
+/// An attempt sent that may be abandoned: its future, boxed to be handed to
+/// its drain. (One pointer in the state: a variant with more would make every
+/// attempt's state larger, and slower to move.)
+struct SentAttempt<F> {
+    future: Option<Pin<Box<F>>>,
+    drain: DrainWith<F>,
 }
 
 /// How an abandoned attempt is drained, and who counts it.
@@ -398,13 +404,24 @@ impl<F> DrainWith<F> {
 
 /// The state of an attempt just sent: its future boxed if it may be drained
 /// (a box can be handed to the drain; a pinned future cannot).
-fn called<S, R, F, H>(future: F, drainable: bool) -> State<S, R, F, H> {
-    if drainable {
-        State::Sent {
+#[inline(always)]
+fn called<W, F, H>(future: F, drain: Option<DrainWith<F>>) -> State<W, F, H> {
+    match drain {
+        Some(drain) => sent(future, drain),
+        None => State::Called { future },
+    }
+}
+
+/// The state of an attempt that may be drained, just sent. Out of line: the
+/// happy path does not need it.
+#[cold]
+#[inline(never)]
+fn sent<W, F, H>(future: F, drain: DrainWith<F>) -> State<W, F, H> {
+    State::Sent {
+        sent: Box::new(SentAttempt {
             future: Some(Box::pin(future)),
-        }
-    } else {
-        State::Called { future }
+            drain,
+        }),
     }
 }
 
@@ -425,11 +442,10 @@ fn set_timeout<B>(req: &mut Request<B>, deadline: Option<Instant>, now: Instant)
 
 pin_project! {
     #[project = StateProj]
-    enum State<S, R, F, H> {
-        /// Waiting for the inner service to be ready. Boxed: most first
-        /// attempts never wait, and the future is moved before it is polled.
+    enum State<W, F, H> {
+        /// Waiting for the inner service to be ready.
         Readying {
-            waiting: Box<(S, Option<R>)>,
+            waiting: Box<W>,
         },
         /// Sent: the inner service's future.
         Called {
@@ -437,8 +453,10 @@ pin_project! {
             future: F,
         },
         /// Sent, and drained if abandoned: the inner service's future, boxed.
+        /// (Here rather than in the future's fields: only such attempts pay
+        /// for it, and the future every call moves stays as small.)
         Sent {
-            future: Option<Pin<Box<F>>>,
+            sent: Box<SentAttempt<F>>,
         },
         /// Ended without being sent, or done.
         Failed {
@@ -461,8 +479,6 @@ where
         into_box: fn(S::Error) -> BoxError,
         cut: Option<(Instant, Cut)>,
         deadline: Option<Instant>,
-        retry: Option<Arc<Shared<Bu>>>,
-        min_attempt_budget: Duration,
     ) -> Self {
         Self {
             state,
@@ -470,9 +486,6 @@ where
             timer: cut.map(|(at, _)| timer_at(at)),
             cut,
             deadline,
-            retry,
-            min_attempt_budget,
-            drain: None,
         }
     }
 
@@ -484,8 +497,6 @@ where
             into_box,
             None,
             None,
-            None,
-            Duration::ZERO,
         )
     }
 }
@@ -499,13 +510,10 @@ where
     /// than reset; otherwise it is simply dropped after this. Whether it was
     /// sent.
     pub(crate) fn abandon(self: Pin<&mut Self>) -> bool {
-        let mut this = self.project();
-        let sent = !matches!(this.state.as_mut().project(), StateProj::Readying { .. });
-        if let Some(drain) = this.drain.as_ref()
-            && let Some(inner) = take_sent(this.state)
-        {
-            drain.hand(inner, *this.deadline);
-        }
+        let this = self.project();
+        let state = this.state.project();
+        let sent = !matches!(state, StateProj::Readying { .. });
+        drain_sent(state, *this.deadline);
         sent
     }
 }
@@ -530,17 +538,24 @@ where
         let polled = loop {
             match this.state.as_mut().project() {
                 StateProj::Readying { waiting } => {
-                    let (service, request) = &mut **waiting;
+                    let Waiting {
+                        service,
+                        request,
+                        drain,
+                        retry,
+                        min_attempt_budget,
+                    } = &mut **waiting;
                     let failure = match service.poll_ready(cx) {
                         Poll::Ready(Ok(())) => {
                             let Some(mut req) = request.take() else {
                                 panic!("an attempt was polled after it was sent");
                             };
-                            let limits = (*this.cut, *this.deadline, *this.min_attempt_budget);
-                            match send(&mut req, limits, this.retry) {
+                            let limits = (*this.cut, *this.deadline, *min_attempt_budget);
+                            match send(&mut req, limits, retry) {
                                 Ok(()) => {
                                     let future = service.call(req.map(B::from));
-                                    this.state.set(called(future, this.drain.is_some()));
+                                    let drain = drain.take();
+                                    this.state.set(called(future, drain));
                                     continue;
                                 }
                                 Err(failure) => failure,
@@ -560,8 +575,8 @@ where
                     return Poll::Ready(Err(failure));
                 }
                 StateProj::Called { future } => break future.poll(cx),
-                StateProj::Sent { future } => {
-                    let Some(inner) = future.as_mut() else {
+                StateProj::Sent { sent } => {
+                    let Some(inner) = sent.future.as_mut() else {
                         panic!("an attempt was polled after it completed");
                     };
                     break inner.as_mut().poll(cx);
@@ -578,7 +593,6 @@ where
         // Sent: its answer, or its cut.
         if let Poll::Ready(result) = polled {
             this.timer.set(None);
-            this.state.set(State::Failed { failure: None });
             let result = result.map_err(*this.into_box);
             return Poll::Ready(outcome(result, *this.cut, *this.deadline));
         }
@@ -592,22 +606,22 @@ where
         // server was sent: drained, not reset. Cut by the deadline, it is
         // dropped, which resets its stream (tonic's Channel would reset it
         // there anyway).
-        if let Cut::AttemptTimeout(_) = why
-            && let Some(drain) = this.drain.as_ref()
-            && let Some(inner) = take_sent(this.state.as_mut())
-        {
-            drain.hand(inner, *this.deadline);
+        if let Cut::AttemptTimeout(_) = why {
+            drain_sent(this.state.as_mut().project(), *this.deadline);
         }
         this.state.set(State::Failed { failure: None });
         Poll::Ready(Err(Failure::Cut { why, sent: true }))
     }
 }
 
-/// The future of an attempt sent to be drained if abandoned, taken out.
-fn take_sent<S, R, F, H>(state: Pin<&mut State<S, R, F, H>>) -> Option<Pin<Box<F>>> {
-    match state.project() {
-        StateProj::Sent { future } => future.take(),
-        _ => None,
+/// Hands the future of an attempt sent to be drained if abandoned to its
+/// drain, if it is one (and still there).
+#[cold]
+fn drain_sent<W, F, H>(state: StateProj<'_, W, F, H>, deadline: Option<Instant>) {
+    if let StateProj::Sent { sent } = state
+        && let Some(future) = sent.future.take()
+    {
+        sent.drain.hand(future, deadline);
     }
 }
 

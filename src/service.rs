@@ -295,18 +295,13 @@ where
             ready,
             (self.into_box, self.drain),
             Arc::clone(&self.shared),
-            policy,
+            index,
             limits,
         );
         // NOTE: a hedged call is one "attempt" to tower's `Retry`, which the
         // call policy never retries: the hedge driver runs inside it. So a
         // retried call's future stays as small and cheap as before.
         let hedged = policy.hedge.is_some();
-        let attempt = if hedged {
-            attempt.hedging(index)
-        } else {
-            attempt
-        };
         let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried, hedged);
         ResponseFuture::new(Retry::new(call, attempt).call(req))
     }
