@@ -40,6 +40,7 @@ use crate::metrics::{Event, RetryMetrics};
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
 use crate::status::GRPC_STATUS;
+use crate::trace::{AttemptTrace, Trace};
 
 /// The time limits every attempt of one call runs under.
 #[derive(Clone, Copy, Debug)]
@@ -149,6 +150,8 @@ where
     policy: usize,
     /// The call hedges: the first call starts the hedge driver.
     hedge: bool,
+    /// The call's metrics.
+    trace: Trace,
     _body: PhantomData<fn(B)>,
 }
 
@@ -167,6 +170,7 @@ where
         shared: Arc<Shared<Bu>>,
         index: usize,
         limits: Limits,
+        trace: Trace,
     ) -> Self {
         let policy = shared.policies.get(index);
         Self {
@@ -181,6 +185,7 @@ where
             policy: index,
             shared,
             limits,
+            trace,
             _body: PhantomData,
         }
     }
@@ -217,6 +222,7 @@ where
             report: self.report,
             policy: self.policy,
             hedge: self.hedge,
+            trace: self.trace.clone(),
             _body: PhantomData,
         }
     }
@@ -267,14 +273,17 @@ where
                 }
                 set_timeout(&mut req, deadline, now);
             }
+            let traced = self.trace.attempt();
             let future = self.inner.call(req.map(B::from));
             let into_box = self.into_box;
             // NOTE: each arm builds its state where it goes: a state chosen
             // first and moved after would copy the inner future once more.
-            return match drain {
+            let mut attempt = match drain {
                 None => AttemptFuture::new(State::Called { future }, into_box, cut, deadline),
                 Some(drain) => AttemptFuture::new(sent(future, drain), into_box, cut, deadline),
             };
+            attempt.traced = traced;
+            return attempt;
         }
         // Wait for readiness under the timer; then a retry pays, and is sent.
         let service = if first {
@@ -291,6 +300,7 @@ where
                 drain,
                 retry: (!first).then(|| Arc::clone(&self.shared)),
                 min_attempt_budget: self.shared.policies.get(self.policy).min_attempt_budget,
+                trace: self.trace.clone(),
             }),
         };
         AttemptFuture::new(state, self.into_box, cut, deadline)
@@ -319,6 +329,7 @@ where
             report: self.report,
             policy: self.policy,
             hedge: false,
+            trace: self.trace.clone(),
             _body: PhantomData,
         };
         let tried = req
@@ -360,6 +371,8 @@ struct Waiting<S, R, F, Bu> {
     retry: Option<Arc<Shared<Bu>>>,
     /// The least time worth sending a retry with.
     min_attempt_budget: Duration,
+    /// The call's metrics, to start this attempt's when it is sent.
+    trace: Trace,
 }
 
 pin_project! {
@@ -377,6 +390,8 @@ pin_project! {
         cut: Option<(Instant, Cut)>,
         // The call's deadline, which the response body keeps to.
         deadline: Option<Instant>,
+        // This attempt's metrics, once it is sent.
+        traced: AttemptTrace,
     }
 }
 
@@ -486,6 +501,7 @@ where
             timer: cut.map(|(at, _)| timer_at(at)),
             cut,
             deadline,
+            traced: AttemptTrace::NONE,
         }
     }
 
@@ -544,6 +560,7 @@ where
                         drain,
                         retry,
                         min_attempt_budget,
+                        trace,
                     } = &mut **waiting;
                     let failure = match service.poll_ready(cx) {
                         Poll::Ready(Ok(())) => {
@@ -553,6 +570,14 @@ where
                             let limits = (*this.cut, *this.deadline, *min_attempt_budget);
                             match send(&mut req, limits, retry) {
                                 Ok(()) => {
+                                    if trace.is_on() && req.body().is_retry() {
+                                        if req.body().is_hedge() {
+                                            trace.hedge();
+                                        } else {
+                                            trace.retry();
+                                        }
+                                    }
+                                    *this.traced = trace.attempt();
                                     let future = service.call(req.map(B::from));
                                     let drain = drain.take();
                                     this.state.set(called(future, drain));
@@ -594,7 +619,11 @@ where
         if let Poll::Ready(result) = polled {
             this.timer.set(None);
             let result = result.map_err(*this.into_box);
-            return Poll::Ready(outcome(result, *this.cut, *this.deadline));
+            let mut outcome = outcome(result, *this.cut, *this.deadline);
+            if this.traced.is_on() {
+                trace_outcome(&mut outcome, std::mem::take(this.traced));
+            }
+            return Poll::Ready(outcome);
         }
         let Some((_, why)) = *this.cut else {
             return Poll::Pending;
@@ -609,6 +638,7 @@ where
         if let Cut::AttemptTimeout(_) = why {
             drain_sent(this.state.as_mut().project(), *this.deadline);
         }
+        this.traced.end(tonic::Code::DeadlineExceeded);
         this.state.set(State::Failed { failure: None });
         Poll::Ready(Err(Failure::Cut { why, sent: true }))
     }
@@ -671,6 +701,26 @@ fn send<B, Bu: Budget>(
         req.body_mut().sent();
     }
     Ok(())
+}
+
+/// Ends the metrics of an attempt that ended with `outcome`: a status
+/// answer ends it now, a streamed response when its body ends (which is then
+/// the call's end too: a streamed response always goes to the caller).
+fn trace_outcome<RB>(
+    outcome: &mut Result<Response<ResponseBody<RB>>, Failure>,
+    mut traced: AttemptTrace,
+) {
+    match outcome {
+        Ok(response) => match response.headers().get(GRPC_STATUS) {
+            Some(status) => {
+                let message = response.headers().get(crate::status::GRPC_MESSAGE);
+                traced.end(crate::status::code_as_tonic_reads(status, message));
+            }
+            None => response.body_mut().trace(traced.into_call_end()),
+        },
+        Err(Failure::Transport(_)) => traced.no_response(),
+        Err(_) => traced.end(tonic::Code::DeadlineExceeded),
+    }
 }
 
 /// What the inner service's answer means for the attempt.

@@ -14,6 +14,7 @@ use tokio::time::{Instant, Sleep};
 use crate::classify::repair_status_details;
 use crate::deadline::timer_at;
 use crate::status::{GRPC_MESSAGE, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads};
+use crate::trace::AttemptTrace;
 use tonic::Code;
 
 pin_project! {
@@ -53,6 +54,8 @@ pin_project! {
         timer: Option<Pin<Box<Sleep>>>,
         // Credited if the trailers end the call with `OK`.
         on_ok: Option<OnOk>,
+        // The metrics of the attempt (and call) this body ends.
+        traced: AttemptTrace,
     }
 }
 
@@ -77,7 +80,13 @@ impl<B> ResponseBody<B> {
             deadline,
             timer: None,
             on_ok: None,
+            traced: AttemptTrace::NONE,
         }
+    }
+
+    /// Ends `traced` when the body ends.
+    pub(crate) fn trace(&mut self, traced: AttemptTrace) {
+        self.traced = traced;
     }
 
     /// Credits `credit` once, if the body's trailers end the call with `OK`.
@@ -92,6 +101,7 @@ impl<B> ResponseBody<B> {
             deadline: None,
             timer: None,
             on_ok: None,
+            traced: AttemptTrace::NONE,
         }
     }
 
@@ -162,6 +172,7 @@ impl<B: Body> Body for ResponseBody<B> {
                 *this.timer = None;
                 *this.deadline = None;
                 *this.on_ok = None;
+                this.traced.end(Code::DeadlineExceeded);
                 return Poll::Ready(Some(Ok(Frame::trailers(timed_out_trailers(
                     DEADLINE_PASSED,
                 )))));
@@ -200,13 +211,21 @@ impl<B: Body> Body for ResponseBody<B> {
             (Instant::now() >= at).then(|| timed_out_trailers(DEADLINE_PASSED))
         };
         let frame = match end {
-            None => return Poll::Ready(None),
+            None => {
+                // No trailers: tonic's client reads UNKNOWN.
+                this.traced.end(Code::Unknown);
+                return Poll::Ready(None);
+            }
             Some(Err(error)) => match timed_out() {
                 Some(trailers) => {
                     this.inner.set(None);
+                    this.traced.end(Code::DeadlineExceeded);
                     Frame::trailers(trailers)
                 }
-                None => return Poll::Ready(Some(Err(error))),
+                None => {
+                    this.traced.end(Code::Unknown);
+                    return Poll::Ready(Some(Err(error)));
+                }
             },
             Some(Ok(mut trailers)) => {
                 let (code, details) = read_trailers(&trailers);
@@ -225,6 +244,11 @@ impl<B: Body> Body for ResponseBody<B> {
                 }
                 if details {
                     repair_status_details(&mut trailers);
+                }
+                if this.traced.is_on() {
+                    // What the caller reads, after the rewrite above.
+                    let (code, _) = read_trailers(&trailers);
+                    this.traced.end(code.unwrap_or(Code::Unknown));
                 }
                 Frame::trailers(trailers)
             }

@@ -15,6 +15,7 @@ use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
 use crate::call::{CallPolicy, failure_response};
 use crate::replay::ReplayBody;
+use crate::trace::CallEnd;
 
 type Retrying<S, B, Bu> =
     tower::retry::future::ResponseFuture<CallPolicy<Bu>, Attempt<S, B, Bu>, Request<ReplayBody<B>>>;
@@ -38,6 +39,8 @@ pin_project! {
     {
         #[pin]
         inner: Retrying<S, B, Bu>,
+        // The call's end, for its metrics.
+        end: CallEnd,
         _error: PhantomData<fn() -> S::Error>,
     }
 }
@@ -48,9 +51,10 @@ where
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
 {
-    pub(crate) fn new(inner: Retrying<S, B, Bu>) -> Self {
+    pub(crate) fn new(inner: Retrying<S, B, Bu>, end: CallEnd) -> Self {
         Self {
             inner,
+            end,
             _error: PhantomData,
         }
     }
@@ -67,10 +71,13 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         // NOTE: the call policy turns every failure into a status response
         // before `Retry` hands it over; the mapping below only makes that total.
-        Poll::Ready(Ok(match ready!(self.project().inner.poll(cx)) {
+        let this = self.project();
+        let response = match ready!(this.inner.poll(cx)) {
             Ok(response) => response,
             Err(failure) => failure_response(&failure, 1),
-        }))
+        };
+        this.end.ready(&response);
+        Poll::Ready(Ok(response))
     }
 }
 

@@ -159,6 +159,45 @@ impl<Bu, B> RetryLayer<Bu, B> {
     pub fn replay_memory_in_use(&self) -> usize {
         self.shared.replay_memory.used()
     }
+
+    /// Records gRPC's standard client metrics (gRFC A66 and A96) for every
+    /// call through the layer, as [`GrpcMetrics`](crate::otel::GrpcMetrics)
+    /// says (feature `opentelemetry`). The first metrics given to a layer
+    /// are kept; later ones are ignored.
+    ///
+    /// ```
+    /// use opentelemetry::metrics::MeterProvider;
+    /// use tonic_retry::otel::GrpcMetrics;
+    /// use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let provider = opentelemetry_sdk::metrics::SdkMeterProvider::default();
+    /// let meter = provider.meter("library-client");
+    /// let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?)
+    ///     .with_grpc_metrics(GrpcMetrics::new(&meter, "dns:///library:50051").with_any_method(100));
+    /// # let _ = layer;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "opentelemetry")]
+    #[must_use]
+    pub fn with_grpc_metrics(self, metrics: crate::otel::GrpcMetrics) -> Self
+    where
+        Bu: crate::budget::Budget,
+    {
+        if self.shared.otel.get().is_none() {
+            // NOTE: the gauge's callback holds the layer weakly: the meter
+            // must not keep a dropped layer alive.
+            let weak = Arc::downgrade(&self.shared);
+            let balance = move || weak.upgrade().and_then(|shared| shared.budget.balance());
+            let throttle = self.shared.budget.refusal_keeps_status();
+            let (otel, refusals) = metrics.build(balance, throttle);
+            if self.shared.otel.set(Arc::new(otel)).is_ok() {
+                self.shared.metrics.export_refusals(refusals);
+            }
+        }
+        self
+    }
 }
 
 impl<Bu, B> Clone for RetryLayer<Bu, B> {

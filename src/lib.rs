@@ -193,6 +193,9 @@
 //!   `service_config::ServiceConfig`: the gRPC service config JSON grpc-go and
 //!   grpc-java read (per-method `retryPolicy` and `timeout`,
 //!   `retryThrottling`).
+//! * `otel` (cargo feature `opentelemetry`): the metrics gRPC's own clients
+//!   export (gRFC A66 and A96) for the calls through a layer, on an
+//!   OpenTelemetry `Meter` (`RetryLayer::with_grpc_metrics`).
 //!
 //! # Observability
 //!
@@ -225,6 +228,8 @@ mod layer;
 mod marks;
 mod methods;
 mod metrics;
+#[cfg(feature = "opentelemetry")]
+pub mod otel;
 mod policy;
 pub mod replay;
 mod service;
@@ -233,6 +238,7 @@ pub mod service_config;
 mod shared;
 mod status;
 mod throttle;
+mod trace;
 
 pub use body::ResponseBody;
 pub use budget::{Budget, RetryBudget, TowerBudget};
@@ -255,6 +261,12 @@ pub use throttle::RetryThrottle;
 
 // The README's snippets compile (and run, where they need no server) as doc
 // tests, so what a newcomer pastes works.
-#[cfg(doctest)]
+// (With every feature the snippets use, as the README's test command builds.)
+#[cfg(all(
+    doctest,
+    feature = "fault",
+    feature = "service-config",
+    feature = "opentelemetry"
+))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;

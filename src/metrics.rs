@@ -27,6 +27,9 @@ struct Counters {
     drained: AtomicU64,
     drain_cut: AtomicU64,
     drain_refused: AtomicU64,
+    /// The OpenTelemetry counter of refusals, once the layer has metrics.
+    #[cfg(feature = "opentelemetry")]
+    refusals: std::sync::OnceLock<crate::otel::Refusals>,
 }
 
 /// What to count.
@@ -62,6 +65,21 @@ impl RetryMetrics {
             Event::DrainRefused => &c.drain_refused,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "opentelemetry")]
+        if let Event::RefusedByBudget | Event::RefusedByDeadline = event
+            && let Some(refusals) = c.refusals.get()
+        {
+            match event {
+                Event::RefusedByBudget => refusals.by_budget(),
+                _ => refusals.by_deadline(),
+            }
+        }
+    }
+
+    /// Sends refusals to `refusals` too (the first given is kept).
+    #[cfg(feature = "opentelemetry")]
+    pub(crate) fn export_refusals(&self, refusals: crate::otel::Refusals) {
+        let _ = self.inner.refusals.set(refusals);
     }
 
     /// Attempts sent whose outcome came back (first attempts and retries;

@@ -26,6 +26,7 @@ use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
+use crate::trace::CallEnd;
 
 /// Retries gRPC calls to the inner service; see the [crate docs](crate).
 ///
@@ -225,6 +226,7 @@ where
         let (mut parts, body) = req.into_parts();
         let index = self.shared.policies.lookup(parts.uri.path());
         let policy = self.shared.policies.get(index);
+        let trace = self.shared.trace(parts.uri.path());
 
         // One pass over the caller's headers finds what the layer reads or
         // owns: custom header names are hashed byte by byte, so a lookup
@@ -297,13 +299,14 @@ where
             Arc::clone(&self.shared),
             index,
             limits,
+            trace.clone(),
         );
         // NOTE: a hedged call is one "attempt" to tower's `Retry`, which the
         // call policy never retries: the hedge driver runs inside it. So a
         // retried call's future stays as small and cheap as before.
         let hedged = policy.hedge.is_some();
         let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried, hedged);
-        ResponseFuture::new(Retry::new(call, attempt).call(req))
+        ResponseFuture::new(Retry::new(call, attempt).call(req), CallEnd::new(trace))
     }
 }
 

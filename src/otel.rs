@@ -1,0 +1,587 @@
+//! gRPC's standard client metrics, on OpenTelemetry (feature `opentelemetry`).
+//!
+//! gRPC's own clients (grpc-go, grpc-java, C-core) export the metrics of gRFC
+//! A66 and A96 under fixed names, so dashboards and alerts carry from one
+//! client to another. [`GrpcMetrics`] records them for the calls through a
+//! layer, on a [`Meter`] of yours:
+//!
+//! | metric | kind, unit | attributes | buckets |
+//! |---|---|---|---|
+//! | `grpc.client.attempt.started` | counter, `{attempt}` | `grpc.method`, `grpc.target` | |
+//! | `grpc.client.attempt.duration` | histogram, `s` | `grpc.method`, `grpc.target`, `grpc.status` | A66 latency |
+//! | `grpc.client.call.duration` | histogram, `s` | `grpc.method`, `grpc.target`, `grpc.status` | A66 latency |
+//! | `grpc.client.call.retries` | histogram, `{retry}` | `grpc.method`, `grpc.target` | 1, 2, 3, 4, 5 |
+//! | `grpc.client.call.transparent_retries` | histogram, `{transparent_retry}` | `grpc.method`, `grpc.target` | 1, 2, 3, 4, 5, 10 |
+//! | `grpc.client.call.hedges` | histogram, `{hedge}` | `grpc.method`, `grpc.target` | 1, 2, 3, 4, 5 |
+//! | `grpc.client.call.retry_delay` | histogram, `s` | `grpc.method`, `grpc.target` | A66 latency |
+//! | `tonic_retry.budget.tokens` | gauge, `{token}` | `grpc.target` | |
+//! | `tonic_retry.retries.refused` | counter, `{retry}` | `grpc.target`, `reason` | |
+//!
+//! * An attempt starts when it is sent to the inner service, and ends when its
+//!   response ends: at its trailers for a streamed one (a server stream is
+//!   measured to its end, not to its headers), at once for an answer that is
+//!   only a status, or when the layer cuts it or no longer needs it
+//!   (`CANCELLED`, for a hedge that lost).
+//! * A call ends when the response the caller gets ends; a call the caller
+//!   drops first ends `CANCELLED`. Its retry counts are recorded then, when
+//!   not zero (A96): `retries` counts retries the policy sent, `hedges` the
+//!   hedges, `transparent_retries` the retries of attempts that got no
+//!   response at all (a refused stream, a connection refused or dropped
+//!   before any answer). `retry_delay` is the time the call had no attempt in
+//!   flight after its first (backoffs, server-given delays, waiting for a
+//!   ready service), recorded for calls that retried.
+//! * `grpc.status` is the code's name as gRPC spells it (`OK`,
+//!   `UNAVAILABLE`, ...), read as tonic's client reads it.
+//! * `grpc.method` is bounded, as A66 asks: a method is named
+//!   (`package.Service/Method`) only if you list it
+//!   ([`with_methods`](GrpcMetrics::with_methods)) or let any well-formed
+//!   method be named up to a number of distinct ones
+//!   ([`with_any_method`](GrpcMetrics::with_any_method)); every other path a
+//!   request carries is `other`.
+//! * `tonic_retry.retries.refused` counts retries the layer decided and did
+//!   not send, by `reason`: `budget` (no token; `throttle` with a
+//!   [`RetryThrottle`](crate::RetryThrottle)) or `deadline` (no time left).
+//!   The gauge is the budget's balance, for budgets that know it.
+//!
+//! With the feature on and no metrics given to the layer, a call costs one
+//! check more than without the feature.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Histogram, Meter, ObservableGauge};
+use tokio::time::Instant;
+use tonic::Code;
+
+use crate::error::ConfigError;
+use crate::status::code_name;
+
+/// A66's bucket boundaries for latencies, in seconds.
+pub const LATENCY_BUCKETS: [f64; 41] = [
+    0.0, 0.00001, 0.00005, 0.0001, 0.0003, 0.0006, 0.0008, 0.001, 0.002, 0.003, 0.004, 0.005,
+    0.006, 0.008, 0.01, 0.013, 0.016, 0.02, 0.025, 0.03, 0.04, 0.05, 0.065, 0.08, 0.1, 0.13, 0.16,
+    0.2, 0.25, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0,
+];
+
+/// A96's bucket boundaries for retries and hedges per call.
+pub const RETRY_BUCKETS: [f64; 5] = [1.0, 2.0, 3.0, 4.0, 5.0];
+
+/// A96's bucket boundaries for transparent retries per call.
+pub const TRANSPARENT_RETRY_BUCKETS: [f64; 6] = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0];
+
+/// The `grpc.method` of every method not named.
+const OTHER: &str = "other";
+
+/// The longest method path named.
+const MAX_PATH: usize = 256;
+
+/// gRPC's standard client metrics for the calls through one layer: give it
+/// to [`RetryLayer::with_grpc_metrics`](crate::RetryLayer::with_grpc_metrics).
+/// See the [module docs](self) for what is recorded.
+///
+/// ```
+/// use opentelemetry::metrics::MeterProvider;
+/// use tonic_retry::otel::GrpcMetrics;
+/// use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let provider = opentelemetry_sdk::metrics::SdkMeterProvider::default();
+/// let meter = provider.meter("library-client");
+/// let metrics = GrpcMetrics::new(&meter, "dns:///library.internal:50051")
+///     .with_methods(["/library.v1.Library/GetBook", "/library.v1.Library/ListBooks"])?;
+/// let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?)
+///     .with_grpc_metrics(metrics);
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+pub struct GrpcMetrics {
+    meter: Meter,
+    target: String,
+    named: HashMap<Box<str>, KeyValue>,
+    any: usize,
+}
+
+impl GrpcMetrics {
+    /// Metrics on `meter`, every point with `grpc.target` = `target` (as
+    /// A66 says: the channel's target URI, e.g. `dns:///host:port`).
+    pub fn new(meter: &Meter, target: impl Into<String>) -> Self {
+        Self {
+            meter: meter.clone(),
+            target: target.into(),
+            named: HashMap::new(),
+            any: 0,
+        }
+    }
+
+    /// Names these methods in `grpc.method` (given as the request path,
+    /// `/package.Service/Method`, or without its leading slash).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming `methods` for one that is not a method path.
+    pub fn with_methods<I, M>(mut self, methods: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = M>,
+        M: AsRef<str>,
+    {
+        for method in methods {
+            let method = method.as_ref();
+            let path = if method.starts_with('/') {
+                method.to_owned()
+            } else {
+                format!("/{method}")
+            };
+            if !is_method_path(&path) {
+                return Err(ConfigError::new(
+                    "methods",
+                    format!("must be method paths such as /package.Service/Method, got {method:?}"),
+                ));
+            }
+            let value = method_value(&path);
+            self.named.insert(path.into_boxed_str(), value);
+        }
+        Ok(self)
+    }
+
+    /// Names any well-formed method in `grpc.method`, up to `max` distinct
+    /// ones beyond those listed: the rest are `other`, so the attribute
+    /// stays bounded whatever paths requests carry.
+    #[must_use]
+    pub fn with_any_method(mut self, max: usize) -> Self {
+        self.any = max;
+        self
+    }
+}
+
+impl fmt::Debug for GrpcMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GrpcMetrics")
+            .field("target", &self.target)
+            .field("methods", &self.named.len())
+            .field("any", &self.any)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `/package.Service/Method`: two non-empty parts of letters, digits, `_`
+/// and `.` (and `-`, which some services use), within [`MAX_PATH`].
+fn is_method_path(path: &str) -> bool {
+    let Some(rest) = path.strip_prefix('/') else {
+        return false;
+    };
+    let Some((service, method)) = rest.split_once('/') else {
+        return false;
+    };
+    let part = |p: &str| {
+        !p.is_empty()
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+    };
+    path.len() <= MAX_PATH && part(service) && part(method)
+}
+
+/// The `grpc.method` attribute of a well-formed path.
+fn method_value(path: &str) -> KeyValue {
+    let name: Arc<str> = Arc::from(&path[1..]);
+    KeyValue::new("grpc.method", name)
+}
+
+/// The instruments of one layer, and how it names methods.
+pub(crate) struct Otel {
+    attempt_started: Counter<u64>,
+    attempt_duration: Histogram<f64>,
+    call_duration: Histogram<f64>,
+    retries: Histogram<u64>,
+    transparent_retries: Histogram<u64>,
+    hedges: Histogram<u64>,
+    retry_delay: Histogram<f64>,
+    target: KeyValue,
+    named: HashMap<Box<str>, KeyValue>,
+    any: usize,
+    seen: RwLock<HashMap<Box<str>, KeyValue>>,
+    other: KeyValue,
+    _gauge: ObservableGauge<f64>,
+}
+
+/// What the layer counts that an OpenTelemetry counter records too: retries
+/// refused, by reason.
+pub(crate) struct Refusals {
+    counter: Counter<u64>,
+    budget: [KeyValue; 2],
+    deadline: [KeyValue; 2],
+}
+
+impl Refusals {
+    pub(crate) fn by_budget(&self) {
+        self.counter.add(1, &self.budget);
+    }
+
+    pub(crate) fn by_deadline(&self) {
+        self.counter.add(1, &self.deadline);
+    }
+}
+
+impl GrpcMetrics {
+    /// The layer's instruments; `balance` reads its budget's balance for the
+    /// gauge, and `throttle` says the budget is A6's throttle.
+    pub(crate) fn build<F>(self, balance: F, throttle: bool) -> (Otel, Refusals)
+    where
+        F: Fn() -> Option<f64> + Send + Sync + 'static,
+    {
+        let m = &self.meter;
+        let latency = |name: &'static str, description: &'static str| {
+            m.f64_histogram(name)
+                .with_unit("s")
+                .with_description(description)
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build()
+        };
+        let count =
+            |name: &'static str, unit: &'static str, description: &'static str, buckets: &[f64]| {
+                m.u64_histogram(name)
+                    .with_unit(unit)
+                    .with_description(description)
+                    .with_boundaries(buckets.to_vec())
+                    .build()
+            };
+        let target = KeyValue::new("grpc.target", self.target);
+        let gauge_target = target.clone();
+        let gauge = m
+            .f64_observable_gauge("tonic_retry.budget.tokens")
+            .with_unit("{token}")
+            .with_description("Tokens in the retry budget of the layer.")
+            .with_callback(move |observer| {
+                if let Some(tokens) = balance() {
+                    observer.observe(tokens, std::slice::from_ref(&gauge_target));
+                }
+            })
+            .build();
+        let refused = m
+            .u64_counter("tonic_retry.retries.refused")
+            .with_unit("{retry}")
+            .with_description("Retries the layer decided and did not send, by reason.")
+            .build();
+        let reason = |r: &'static str| [target.clone(), KeyValue::new("reason", r)];
+        let refusals = Refusals {
+            counter: refused,
+            budget: reason(if throttle { "throttle" } else { "budget" }),
+            deadline: reason("deadline"),
+        };
+        let otel = Otel {
+            attempt_started: m
+                .u64_counter("grpc.client.attempt.started")
+                .with_unit("{attempt}")
+                .with_description("Number of client call attempts started.")
+                .build(),
+            attempt_duration: latency(
+                "grpc.client.attempt.duration",
+                "End-to-end time taken to complete a client call attempt.",
+            ),
+            call_duration: latency(
+                "grpc.client.call.duration",
+                "Time taken by gRPC to complete an RPC from application's perspective.",
+            ),
+            retries: count(
+                "grpc.client.call.retries",
+                "{retry}",
+                "Number of retries during the client call. If there were no retries, 0 is not reported.",
+                &RETRY_BUCKETS,
+            ),
+            transparent_retries: count(
+                "grpc.client.call.transparent_retries",
+                "{transparent_retry}",
+                "Number of transparent retries during the client call. If there were no transparent retries, 0 is not reported.",
+                &TRANSPARENT_RETRY_BUCKETS,
+            ),
+            hedges: count(
+                "grpc.client.call.hedges",
+                "{hedge}",
+                "Number of hedges during the client call. If there were no hedges, 0 is not reported.",
+                &RETRY_BUCKETS,
+            ),
+            retry_delay: latency(
+                "grpc.client.call.retry_delay",
+                "Total time of delay while there is no active attempt during the client call.",
+            ),
+            target,
+            named: self.named,
+            any: self.any,
+            seen: RwLock::default(),
+            other: KeyValue::new("grpc.method", OTHER),
+            _gauge: gauge,
+        };
+        (otel, refusals)
+    }
+}
+
+impl Otel {
+    /// The `grpc.method` of a request to `path`.
+    fn method(&self, path: &str) -> KeyValue {
+        if let Some(named) = self.named.get(path) {
+            return named.clone();
+        }
+        if self.any == 0 || !is_method_path(path) {
+            return self.other.clone();
+        }
+        let seen = self.seen.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(value) = seen.get(path) {
+            return value.clone();
+        }
+        if seen.len() >= self.any {
+            return self.other.clone();
+        }
+        drop(seen);
+        let mut seen = self.seen.write().unwrap_or_else(PoisonError::into_inner);
+        if seen.len() >= self.any && !seen.contains_key(path) {
+            return self.other.clone();
+        }
+        seen.entry(path.into())
+            .or_insert_with(|| method_value(path))
+            .clone()
+    }
+
+    /// The trace of a call to `path` starting now.
+    pub(crate) fn call(self: &Arc<Self>, path: &str) -> Trace {
+        let attributes = [self.method(path), self.target.clone()];
+        Trace(Some(Arc::new(CallTrace {
+            otel: Arc::clone(self),
+            attributes,
+            start: Instant::now(),
+            state: Mutex::default(),
+        })))
+    }
+}
+
+/// One call's trace: its attributes, when it started, and what its attempts
+/// did.
+struct CallTrace {
+    otel: Arc<Otel>,
+    /// `grpc.method`, `grpc.target`.
+    attributes: [KeyValue; 2],
+    start: Instant,
+    state: Mutex<CallState>,
+}
+
+#[derive(Default)]
+struct CallState {
+    retries: u64,
+    transparent_retries: u64,
+    hedges: u64,
+    /// Time with no attempt in flight, after the first attempt started.
+    delay: Duration,
+    active: u32,
+    /// Since when no attempt is in flight (after one was).
+    idle_since: Option<Instant>,
+    /// The attempt that ended last got no response at all: a retry after it
+    /// is transparent.
+    no_response: bool,
+    ended: bool,
+}
+
+impl CallTrace {
+    fn state(&self) -> std::sync::MutexGuard<'_, CallState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn with_status(&self, code: Code) -> [KeyValue; 3] {
+        let [method, target] = self.attributes.clone();
+        [
+            method,
+            target,
+            KeyValue::new("grpc.status", code_name(code)),
+        ]
+    }
+
+    fn end(&self, code: Code) {
+        let (retries, transparent, hedges, delay) = {
+            let mut state = self.state();
+            if std::mem::replace(&mut state.ended, true) {
+                return;
+            }
+            (
+                state.retries,
+                state.transparent_retries,
+                state.hedges,
+                state.delay,
+            )
+        };
+        let o = &self.otel;
+        let elapsed = self.start.elapsed().as_secs_f64();
+        o.call_duration.record(elapsed, &self.with_status(code));
+        let attributes = &self.attributes;
+        if retries > 0 {
+            o.retries.record(retries, attributes);
+        }
+        if transparent > 0 {
+            o.transparent_retries.record(transparent, attributes);
+        }
+        if hedges > 0 {
+            o.hedges.record(hedges, attributes);
+        }
+        if retries + transparent > 0 {
+            o.retry_delay.record(delay.as_secs_f64(), attributes);
+        }
+    }
+}
+
+/// A call's metrics, if the layer records them.
+#[derive(Clone, Default)]
+pub(crate) struct Trace(Option<Arc<CallTrace>>);
+
+impl Trace {
+    pub(crate) fn none() -> Self {
+        Self(None)
+    }
+
+    #[inline]
+    pub(crate) fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// An attempt is sent now: counted, timed until it ends.
+    #[inline]
+    pub(crate) fn attempt(&self) -> AttemptTrace {
+        match &self.0 {
+            None => AttemptTrace::NONE,
+            Some(call) => Self::start_attempt(call),
+        }
+    }
+
+    #[inline(never)]
+    fn start_attempt(call: &Arc<CallTrace>) -> AttemptTrace {
+        let now = Instant::now();
+        {
+            let mut state = call.state();
+            if state.active == 0
+                && let Some(since) = state.idle_since.take()
+            {
+                state.delay += now.saturating_duration_since(since);
+            }
+            state.active += 1;
+        }
+        call.otel.attempt_started.add(1, &call.attributes);
+        AttemptTrace(Some(Box::new(Started {
+            call: Arc::clone(call),
+            start: now,
+            ends_call: false,
+        })))
+    }
+
+    /// A retry is being sent (a transparent one if the attempt before it
+    /// got no response).
+    pub(crate) fn retry(&self) {
+        if let Some(call) = &self.0 {
+            let mut state = call.state();
+            if std::mem::take(&mut state.no_response) {
+                state.transparent_retries += 1;
+            } else {
+                state.retries += 1;
+            }
+        }
+    }
+
+    /// A hedge is being sent.
+    pub(crate) fn hedge(&self) {
+        if let Some(call) = &self.0 {
+            call.state().hedges += 1;
+        }
+    }
+
+    /// The call ends now with `code` (only its first end counts).
+    pub(crate) fn end(&self, code: Code) {
+        if let Some(call) = &self.0 {
+            call.end(code);
+        }
+    }
+}
+
+/// One attempt's metrics, ended once: by its outcome, or `CANCELLED` when
+/// dropped first. One pointer, boxed: the futures and bodies that carry it
+/// are moved on every call, recorded or not.
+#[derive(Default)]
+pub(crate) struct AttemptTrace(Option<Box<Started>>);
+
+/// An attempt started.
+struct Started {
+    call: Arc<CallTrace>,
+    start: Instant,
+    /// The caller reads this attempt's response: its end ends the call.
+    ends_call: bool,
+}
+
+impl AttemptTrace {
+    pub(crate) const NONE: Self = Self(None);
+
+    #[inline]
+    pub(crate) fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// The attempt ended with `code`.
+    #[inline]
+    pub(crate) fn end(&mut self, code: Code) {
+        if let Some(started) = self.0.take() {
+            (*started).end(code);
+        }
+    }
+
+    /// The attempt got no response at all: ends `UNAVAILABLE`, and a retry
+    /// after it is transparent.
+    pub(crate) fn no_response(&mut self) {
+        if let Some(started) = &self.0 {
+            started.call.state().no_response = true;
+        }
+        self.end(Code::Unavailable);
+    }
+
+    /// The attempt's response goes to the caller: its end is the call's.
+    pub(crate) fn into_call_end(mut self) -> Self {
+        if let Some(started) = &mut self.0 {
+            started.ends_call = true;
+        }
+        self
+    }
+}
+
+impl Started {
+    #[inline(never)]
+    fn end(self, code: Code) {
+        let Started {
+            call,
+            start,
+            ends_call,
+        } = self;
+        let now = Instant::now();
+        let elapsed = now.saturating_duration_since(start).as_secs_f64();
+        call.otel
+            .attempt_duration
+            .record(elapsed, &call.with_status(code));
+        {
+            let mut state = call.state();
+            state.active = state.active.saturating_sub(1);
+            if state.active == 0 {
+                state.idle_since = Some(now);
+            }
+        }
+        if ends_call {
+            call.end(code);
+        }
+    }
+}
+
+impl Drop for AttemptTrace {
+    #[inline]
+    fn drop(&mut self) {
+        self.end(Code::Cancelled);
+    }
+}
+
+impl fmt::Debug for AttemptTrace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AttemptTrace")
+    }
+}

@@ -1,0 +1,497 @@
+//! gRPC's standard client metrics (gRFC A66, A96), read back through the real
+//! OpenTelemetry SDK and its in-memory exporter: names, units, buckets and
+//! attributes as the gRFCs give them, and what each call records. Mock
+//! services under paused time.
+#![cfg(feature = "opentelemetry")]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body::Frame;
+use opentelemetry::metrics::MeterProvider;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use support::*;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::otel::{GrpcMetrics, LATENCY_BUCKETS};
+use tonic_retry::{HedgePolicy, MethodPolicies, RetryBudget, RetryLayer, RetryPolicy};
+use tower::{Layer, Service, ServiceExt};
+use tower_test::mock;
+
+const MS: Duration = Duration::from_millis(1);
+const GET_BOOK: &str = "/library.v1.Library/GetBook";
+
+/// A meter provider exporting to memory.
+struct Exported {
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+}
+
+impl Exported {
+    fn new() -> Self {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        Self { provider, exporter }
+    }
+
+    fn metrics(&self, target: &str) -> GrpcMetrics {
+        GrpcMetrics::new(&self.provider.meter("tests"), target)
+    }
+
+    /// What the exporter has after a flush.
+    fn collect(&self) -> Collected {
+        self.provider.force_flush().unwrap();
+        let exported = self.exporter.get_finished_metrics().unwrap();
+        Collected(exported.into_iter().last().expect("an export"))
+    }
+}
+
+struct Collected(ResourceMetrics);
+
+/// One data point: its attributes, and count / sum / bounds (histograms) or
+/// value (counters, gauges).
+#[derive(Debug, Clone, PartialEq)]
+struct Point {
+    attributes: BTreeMap<String, String>,
+    count: u64,
+    sum: f64,
+    bounds: Vec<f64>,
+}
+
+impl Collected {
+    /// The unit and the points of the metric `name` (`None`: not exported).
+    fn get(&self, name: &str) -> Option<(String, Vec<Point>)> {
+        let metric = self
+            .0
+            .scope_metrics()
+            .flat_map(|s| s.metrics())
+            .find(|m| m.name() == name)?;
+        let attributes = |kv: &mut dyn Iterator<Item = &opentelemetry::KeyValue>| {
+            kv.map(|kv| (kv.key.to_string(), kv.value.to_string()))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let points = match metric.data() {
+            AggregatedMetrics::F64(MetricData::Histogram(h)) => h
+                .data_points()
+                .map(|p| Point {
+                    attributes: attributes(&mut p.attributes()),
+                    count: p.count(),
+                    sum: p.sum(),
+                    bounds: p.bounds().collect(),
+                })
+                .collect(),
+            AggregatedMetrics::U64(MetricData::Histogram(h)) => h
+                .data_points()
+                .map(|p| Point {
+                    attributes: attributes(&mut p.attributes()),
+                    count: p.count(),
+                    sum: p.sum() as f64,
+                    bounds: p.bounds().collect(),
+                })
+                .collect(),
+            AggregatedMetrics::U64(MetricData::Sum(s)) => s
+                .data_points()
+                .map(|p| Point {
+                    attributes: attributes(&mut p.attributes()),
+                    count: 1,
+                    sum: p.value() as f64,
+                    bounds: vec![],
+                })
+                .collect(),
+            AggregatedMetrics::F64(MetricData::Gauge(g)) => g
+                .data_points()
+                .map(|p| Point {
+                    attributes: attributes(&mut p.attributes()),
+                    count: 1,
+                    sum: p.value(),
+                    bounds: vec![],
+                })
+                .collect(),
+            other => panic!("{name}: unexpected data {other:?}"),
+        };
+        Some((metric.unit().to_owned(), points))
+    }
+
+    fn points(&self, name: &str) -> Vec<Point> {
+        self.get(name).map(|(_, p)| p).unwrap_or_default()
+    }
+
+    /// The one point of `name` whose attributes include `with`.
+    fn point(&self, name: &str, with: &[(&str, &str)]) -> Point {
+        let matching: Vec<_> = self
+            .points(name)
+            .into_iter()
+            .filter(|p| {
+                with.iter()
+                    .all(|(k, v)| p.attributes.get(*k).map(String::as_str) == Some(*v))
+            })
+            .collect();
+        assert_eq!(
+            matching.len(),
+            1,
+            "{name} {with:?}: {:?}",
+            self.points(name)
+        );
+        matching.into_iter().next().unwrap()
+    }
+}
+
+fn attrs(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+type Svc = tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>>;
+
+fn layered(
+    policy: impl Into<MethodPolicies>,
+    budget: RetryBudget,
+    metrics: GrpcMetrics,
+) -> (Svc, Handle) {
+    let layer = RetryLayer::new(policy, budget).with_grpc_metrics(metrics);
+    let (inner, handle) = mock::pair();
+    (layer.layer(inner), handle)
+}
+
+fn named(exported: &Exported) -> GrpcMetrics {
+    exported
+        .metrics("dns:///library:50051")
+        .with_methods([GET_BOOK])
+        .unwrap()
+}
+
+fn to(path: &str) -> Request<Body> {
+    let mut req = request();
+    *req.uri_mut() = format!("http://library{path}").parse().unwrap();
+    req
+}
+
+async fn call(svc: &mut Svc, req: Request<Body>) -> tokio::task::JoinHandle<Outcome> {
+    let ready = svc.ready().await.unwrap();
+    tokio::spawn(ready.call(req))
+}
+
+/// A transport error with no status in it: no response at all.
+fn refused() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused")
+}
+
+const METHOD: (&str, &str) = ("grpc.method", "library.v1.Library/GetBook");
+const TARGET: (&str, &str) = ("grpc.target", "dns:///library:50051");
+
+#[tokio::test(start_paused = true)]
+async fn a_call_that_succeeds_at_once_records_one_attempt_and_no_retry() {
+    let exported = Exported::new();
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), budget(), named(&exported));
+    let c = call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    tokio::time::sleep(3 * MS).await;
+    send.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(c.await.unwrap().unwrap()).await, Code::Ok);
+    let got = exported.collect();
+    assert_eq!(
+        got.points("grpc.client.attempt.started"),
+        vec![Point {
+            attributes: attrs(&[METHOD, TARGET]),
+            count: 1,
+            sum: 1.0,
+            bounds: vec![]
+        }]
+    );
+    let ok = [METHOD, TARGET, ("grpc.status", "OK")];
+    let attempt = got.point("grpc.client.attempt.duration", &ok);
+    assert_eq!((attempt.attributes, attempt.count), (attrs(&ok), 1));
+    assert!((attempt.sum - 0.003).abs() < 0.0015, "{}", attempt.sum);
+    assert_eq!(got.point("grpc.client.call.duration", &ok).count, 1);
+    for none in [
+        "grpc.client.call.retries",
+        "grpc.client.call.transparent_retries",
+        "grpc.client.call.hedges",
+        "grpc.client.call.retry_delay",
+    ] {
+        assert_eq!(got.points(none), vec![], "{none}: 0 is not recorded");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_retried_twice_records_two_retries_and_its_delay() {
+    let exported = Exported::new();
+    let policy = RetryPolicy::new(3, 100 * MS, 1000 * MS, 0.0).unwrap();
+    let (mut svc, mut handle) = layered(policy, budget(), named(&exported));
+    let c = call(&mut svc, request()).await;
+    for _ in 0..2 {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(status(Code::Unavailable));
+    }
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(c.await.unwrap().unwrap()).await, Code::Ok);
+    let got = exported.collect();
+    let retries = got.point("grpc.client.call.retries", &[METHOD]);
+    assert_eq!(
+        (retries.attributes, retries.count, retries.sum),
+        (attrs(&[METHOD, TARGET]), 1, 2.0)
+    );
+    // Backoffs of 100 and 200 ms (no jitter), to the timer's millisecond.
+    let delay = got.point("grpc.client.call.retry_delay", &[METHOD]);
+    assert_eq!(delay.count, 1);
+    assert!((delay.sum - 0.3).abs() <= 0.003, "{}", delay.sum);
+    assert_eq!(got.point("grpc.client.attempt.started", &[METHOD]).sum, 3.0);
+    let unavailable = [METHOD, TARGET, ("grpc.status", "UNAVAILABLE")];
+    assert_eq!(
+        got.point("grpc.client.attempt.duration", &unavailable)
+            .count,
+        2
+    );
+    let ok = [METHOD, TARGET, ("grpc.status", "OK")];
+    assert_eq!(got.point("grpc.client.attempt.duration", &ok).count, 1);
+    let call = got.point("grpc.client.call.duration", &ok);
+    assert_eq!(call.count, 1);
+    assert!((call.sum - 0.3).abs() <= 0.003, "{}", call.sum);
+    assert_eq!(got.points("grpc.client.call.transparent_retries"), vec![]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_of_an_attempt_with_no_response_is_transparent() {
+    let exported = Exported::new();
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), budget(), named(&exported));
+    let c = call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    // No response at all: the connection was refused.
+    send.send_error(refused());
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(c.await.unwrap().unwrap()).await, Code::Ok);
+    let got = exported.collect();
+    let transparent = got.point("grpc.client.call.transparent_retries", &[METHOD]);
+    assert_eq!((transparent.count, transparent.sum), (1, 1.0));
+    assert_eq!(got.points("grpc.client.call.retries"), vec![]);
+    assert_eq!(
+        got.point("grpc.client.call.retry_delay", &[METHOD]).count,
+        1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn names_units_and_buckets_are_a66_and_a96s() {
+    let exported = Exported::new();
+    let hedge = HedgePolicy::new(2, 10 * MS).unwrap();
+    let table = MethodPolicies::with_default(RetryPolicy::default())
+        .with_method("library.v1.Library", "ListBooks", hedge)
+        .unwrap();
+    let metrics = named(&exported)
+        .with_methods(["library.v1.Library/ListBooks"])
+        .unwrap();
+    let (mut svc, mut handle) = layered(table, RetryBudget::new(10, 0.5).unwrap(), metrics);
+    // A retried call and a hedged one, so every metric has a point.
+    let c = call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_error(refused());
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(answer(Code::Ok));
+    read_to_end(c.await.unwrap().unwrap()).await;
+    let c = call(&mut svc, to("/library.v1.Library/ListBooks")).await;
+    let (_, _slow, _) = next(&mut handle).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(answer(Code::Ok));
+    read_to_end(c.await.unwrap().unwrap()).await;
+
+    let got = exported.collect();
+    let latency = LATENCY_BUCKETS.to_vec();
+    assert_eq!(latency.len(), 41);
+    assert_eq!((latency[0], latency[7], latency[40]), (0.0, 0.001, 100.0));
+    let expected: [(&str, &str, Vec<f64>); 8] = [
+        ("grpc.client.attempt.started", "{attempt}", vec![]),
+        ("grpc.client.attempt.duration", "s", latency.clone()),
+        ("grpc.client.call.duration", "s", latency.clone()),
+        (
+            "grpc.client.call.retries",
+            "{retry}",
+            vec![1.0, 2.0, 3.0, 4.0, 5.0],
+        ),
+        (
+            "grpc.client.call.transparent_retries",
+            "{transparent_retry}",
+            vec![1.0, 2.0, 3.0, 4.0, 5.0, 10.0],
+        ),
+        (
+            "grpc.client.call.hedges",
+            "{hedge}",
+            vec![1.0, 2.0, 3.0, 4.0, 5.0],
+        ),
+        ("grpc.client.call.retry_delay", "s", latency.clone()),
+        ("tonic_retry.budget.tokens", "{token}", vec![]),
+    ];
+    for (name, unit, bounds) in expected {
+        let (got_unit, points) = got.get(name).unwrap_or_else(|| panic!("{name} exported"));
+        assert_eq!(got_unit, unit, "{name}");
+        assert!(!points.is_empty(), "{name}");
+        for p in &points {
+            assert_eq!(p.bounds, bounds, "{name}");
+            let keys: Vec<_> = p.attributes.keys().map(String::as_str).collect();
+            let want: &[&str] = match name {
+                "grpc.client.attempt.duration" | "grpc.client.call.duration" => {
+                    &["grpc.method", "grpc.status", "grpc.target"]
+                }
+                "tonic_retry.budget.tokens" => &["grpc.target"],
+                _ => &["grpc.method", "grpc.target"],
+            };
+            assert_eq!(keys, want, "{name}");
+        }
+    }
+    let hedges = got.point(
+        "grpc.client.call.hedges",
+        &[("grpc.method", "library.v1.Library/ListBooks")],
+    );
+    assert_eq!((hedges.count, hedges.sum), (1, 1.0));
+    // The hedge that lost ended CANCELLED.
+    let cancelled = [
+        ("grpc.method", "library.v1.Library/ListBooks"),
+        ("grpc.status", "CANCELLED"),
+    ];
+    assert_eq!(
+        got.point("grpc.client.attempt.duration", &cancelled).count,
+        1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_method_not_named_is_other_whatever_its_path() {
+    let exported = Exported::new();
+    let metrics = named(&exported).with_any_method(2);
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), budget(), metrics);
+    let paths = [
+        GET_BOOK.to_owned(),
+        "/a.B/One".to_owned(),
+        "/a.B/Two".to_owned(),
+        "/a.B/Three".to_owned(),
+        "/a.B/One".to_owned(),
+        "/not-a-method".to_owned(),
+        format!("/a.B/{}", "x".repeat(300)),
+        "/a.B/%F0%9F%92%A3".to_owned(),
+    ];
+    for path in &paths {
+        let c = call(&mut svc, to(path)).await;
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(answer(Code::Ok));
+        read_to_end(c.await.unwrap().unwrap()).await;
+    }
+    let got = exported.collect();
+    let mut by_method: BTreeMap<String, f64> = BTreeMap::new();
+    for p in got.points("grpc.client.attempt.started") {
+        *by_method
+            .entry(p.attributes["grpc.method"].clone())
+            .or_default() += p.sum;
+    }
+    let expected: BTreeMap<String, f64> = [
+        ("library.v1.Library/GetBook", 1.0),
+        ("a.B/One", 2.0),
+        ("a.B/Two", 1.0),
+        ("other", 4.0),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    assert_eq!(by_method, expected);
+
+    // Without `with_any_method`, only the listed methods are named.
+    let exported = Exported::new();
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), budget(), named(&exported));
+    let c = call(&mut svc, to("/a.B/One")).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(answer(Code::Ok));
+    read_to_end(c.await.unwrap().unwrap()).await;
+    let got = exported.collect();
+    assert_eq!(
+        got.point("grpc.client.attempt.started", &[]).attributes["grpc.method"],
+        "other"
+    );
+}
+
+#[test]
+fn a_listed_method_must_be_a_method_path() {
+    let exported = Exported::new();
+    for bad in ["", "/", "GetBook", "/a.B/", "/a.B/C/D", "a b/C"] {
+        let error = exported.metrics("t").with_methods([bad]).unwrap_err();
+        assert!(error.to_string().contains("methods"), "{bad:?}: {error}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_server_streaming_attempt_lasts_until_its_trailers() {
+    let exported = Exported::new();
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), budget(), named(&exported));
+    let c = call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    let (tx, response) = streaming_response();
+    tx.send(data("\0\0\0\0\x01a")).unwrap();
+    send.send_response(response);
+    let response = c.await.unwrap().unwrap();
+    tokio::time::sleep(500 * MS).await;
+    tx.send(data("\0\0\0\0\x01b")).unwrap();
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    tx.send(Ok(Frame::trailers(trailers))).unwrap();
+    drop(tx);
+    assert_eq!(read_to_end(response).await, Code::Ok);
+    let got = exported.collect();
+    let ok = [METHOD, ("grpc.status", "OK")];
+    for name in ["grpc.client.attempt.duration", "grpc.client.call.duration"] {
+        let p = got.point(name, &ok);
+        assert_eq!(p.count, 1, "{name}");
+        assert!((p.sum - 0.5).abs() < 0.002, "{name}: {}", p.sum);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_the_caller_drops_ends_cancelled() {
+    let exported = Exported::new();
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), budget(), named(&exported));
+    let c = call(&mut svc, request()).await;
+    let (_, _never, _) = next(&mut handle).await;
+    tokio::time::sleep(20 * MS).await;
+    c.abort();
+    let _ = c.await;
+    let got = exported.collect();
+    let cancelled = [METHOD, ("grpc.status", "CANCELLED")];
+    assert_eq!(
+        got.point("grpc.client.attempt.duration", &cancelled).count,
+        1
+    );
+    assert_eq!(got.point("grpc.client.call.duration", &cancelled).count, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn refusals_by_reason_and_the_budget_balance() {
+    let exported = Exported::new();
+    // Half a token: the retry is refused by the budget.
+    let poor = RetryBudget::new(1, 0.001).unwrap();
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), poor, named(&exported));
+    let c = call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    assert_eq!(code_of(&c.await.unwrap().unwrap()), Code::ResourceExhausted);
+    // No time for a retry: refused by the deadline.
+    let c = call(&mut svc, with_timeout(request(), "30m")).await;
+    let (_, send, _) = next(&mut handle).await;
+    tokio::time::sleep(20 * MS).await;
+    send.send_response(status(Code::Unavailable));
+    c.await.unwrap().unwrap();
+    let got = exported.collect();
+    let refused = |reason| got.point("tonic_retry.retries.refused", &[("reason", reason)]);
+    assert_eq!(refused("budget").sum, 1.0);
+    assert_eq!(refused("deadline").sum, 1.0);
+    assert_eq!(refused("budget").attributes["grpc.target"], TARGET.1);
+    let tokens = got.point("tonic_retry.budget.tokens", &[TARGET]);
+    assert_eq!(tokens.sum, 0.5);
+}
