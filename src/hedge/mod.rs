@@ -41,7 +41,7 @@
 //! client reset, and h2 closes the whole connection after 1,024 such frames
 //! on streams it no longer remembers (`too_many_internal_resets`; it
 //! remembers 50 for a second). With every call hedged that took a connection
-//! every few thousand calls. So each loser is handed to a task that reads it
+//! every 7,000 calls or so (3 in a 20,000-call run of the tail example). So each loser is handed to a task that reads it
 //! to its end and throws the answer away, bounded by the call's deadline
 //! (else 10 s), 64 KiB of body and 1,024 drains at once per layer; past a
 //! bound it is reset after all ([`RetryMetrics::drained`](crate::RetryMetrics::drained),
