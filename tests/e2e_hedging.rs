@@ -1,6 +1,7 @@
 //! Hedging against real tonic servers on loopback: a slow instance is hedged
-//! around, on another instance, and a service config's `hedgingPolicy`
-//! drives a real channel. Times are real but short, and every call bounded.
+//! around, on another instance, and its attempts end as streams end (read to
+//! their end, not reset); a service config's `hedgingPolicy` drives a real
+//! channel. Times are real but short, and every call bounded.
 
 mod common;
 
@@ -80,6 +81,19 @@ async fn a_slow_instance_is_hedged_around_on_another_one() {
         "each hedge names the instance in flight: {hedges:?}"
     );
     assert_eq!(layer.metrics().hedges(), first_on_a as u64);
+    // The attempts left on the slow instance were not reset: each was read
+    // to its end, so the instance answered every one (a reset stream, still
+    // in its fault's delay, is never answered).
+    let drained = async {
+        while slow.books_answered() < first_on_a as u64 || layer.metrics().draining() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    // Its answers take 400 ms: 2 s is ample.
+    let _ = tokio::time::timeout(Duration::from_secs(2), drained).await;
+    assert_eq!(slow.books_answered(), first_on_a as u64);
+    assert_eq!(layer.metrics().drained(), first_on_a as u64);
+    assert_eq!(layer.metrics().drain_cut(), 0);
 }
 
 #[tokio::test]

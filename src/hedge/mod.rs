@@ -41,10 +41,10 @@
 //! client reset, and h2 closes the whole connection after 1,024 such frames
 //! on streams it no longer remembers (`too_many_internal_resets`; it
 //! remembers 50 for a second). With every call hedged that took a connection
-//! every 7,000 calls or so (3 in a 20,000-call run of the tail example). So each loser is handed to a task that reads it
-//! to its end and throws the answer away, bounded by the call's deadline
-//! (else 10 s), 64 KiB of body and 1,024 drains at once per layer; past a
-//! bound it is reset after all ([`RetryMetrics::drained`](crate::RetryMetrics::drained),
+//! every 7,000 calls or so (3 in a 20,000-call run of the tail example). So
+//! each loser is handed to a task that reads it to its end and throws the
+//! answer away, bounded by the call's deadline (else 10 s), 64 KiB of body
+//! and 1,024 drains at once per layer; past a bound it is reset after all ([`RetryMetrics::drained`](crate::RetryMetrics::drained),
 //! [`drain_cut`](crate::RetryMetrics::drain_cut),
 //! [`drain_refused`](crate::RetryMetrics::drain_refused)). A call the caller
 //! drops is cancelled at once, its attempts reset.

@@ -37,6 +37,9 @@ pub struct Shelf {
     pub deduplicated: Arc<AtomicU64>,
     /// `(books, bytes)` of every import the server read to its end.
     pub imports: Arc<Mutex<Vec<(u32, u64)>>>,
+    /// `GetBook` requests answered (a request whose stream the client reset
+    /// while a fault delayed it is never answered).
+    pub books_answered: Arc<AtomicU64>,
 }
 
 impl Shelf {
@@ -61,6 +64,7 @@ type BookStream = Pin<Box<dyn Stream<Item = Result<Book, Status>> + Send>>;
 #[tonic::async_trait]
 impl Library for Shelf {
     async fn get_book(&self, req: Request<GetBookRequest>) -> Result<Response<Book>, Status> {
+        self.books_answered.fetch_add(1, Ordering::SeqCst);
         let isbn = req.into_inner().isbn;
         Ok(Response::new(Book {
             title: format!("Book {isbn}"),
@@ -164,6 +168,11 @@ impl Instance {
         };
         instance.serve(listener);
         instance
+    }
+
+    /// `GetBook` requests this instance answered.
+    pub fn books_answered(&self) -> u64 {
+        self.shelf.books_answered.load(Ordering::SeqCst)
     }
 
     /// Starts a plain instance whose faults are given by `faults`' rules.
