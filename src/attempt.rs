@@ -276,14 +276,14 @@ where
             let traced = self.trace.attempt();
             let future = self.inner.call(req.map(B::from));
             let into_box = self.into_box;
-            // NOTE: each arm builds its state where it goes: a state chosen
-            // first and moved after would copy the inner future once more.
-            let mut attempt = match drain {
-                None => AttemptFuture::new(State::Called { future }, into_box, cut, deadline),
-                Some(drain) => AttemptFuture::new(sent(future, drain), into_box, cut, deadline),
-            };
-            attempt.traced = traced;
-            return attempt;
+            // NOTE: each return builds the future where it goes: one chosen
+            // first, or changed after, would be copied whole once more.
+            if let Some(drain) = drain {
+                let state = sent(future, drain);
+                return AttemptFuture::new(state, into_box, cut, deadline, traced);
+            }
+            let state = State::Called { future };
+            return AttemptFuture::new(state, into_box, cut, deadline, traced);
         }
         // Wait for readiness under the timer; then a retry pays, and is sent.
         let service = if first {
@@ -303,7 +303,7 @@ where
                 trace: self.trace.clone(),
             }),
         };
-        AttemptFuture::new(state, self.into_box, cut, deadline)
+        AttemptFuture::new(state, self.into_box, cut, deadline, AttemptTrace::NONE)
     }
 }
 
@@ -347,6 +347,7 @@ where
             self.into_box,
             None,
             deadline,
+            AttemptTrace::NONE,
         )
     }
 }
@@ -489,11 +490,13 @@ impl<S, B, Bu> AttemptFuture<S, B, Bu>
 where
     S: Service<Request<B>>,
 {
+    #[inline(always)]
     fn new(
         state: AttemptState<S, B, Bu>,
         into_box: fn(S::Error) -> BoxError,
         cut: Option<(Instant, Cut)>,
         deadline: Option<Instant>,
+        traced: AttemptTrace,
     ) -> Self {
         Self {
             state,
@@ -501,7 +504,7 @@ where
             timer: cut.map(|(at, _)| timer_at(at)),
             cut,
             deadline,
-            traced: AttemptTrace::NONE,
+            traced,
         }
     }
 
@@ -513,6 +516,7 @@ where
             into_box,
             None,
             None,
+            AttemptTrace::NONE,
         )
     }
 }
