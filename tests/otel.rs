@@ -11,9 +11,7 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Frame;
-use opentelemetry::metrics::MeterProvider;
-use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
-use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use support::exported::{Exported, Point, attrs};
 use support::*;
 use tonic::Code;
 use tonic::body::Body;
@@ -24,130 +22,6 @@ use tower_test::mock;
 
 const MS: Duration = Duration::from_millis(1);
 const GET_BOOK: &str = "/library.v1.Library/GetBook";
-
-/// A meter provider exporting to memory.
-struct Exported {
-    provider: SdkMeterProvider,
-    exporter: InMemoryMetricExporter,
-}
-
-impl Exported {
-    fn new() -> Self {
-        let exporter = InMemoryMetricExporter::default();
-        let provider = SdkMeterProvider::builder()
-            .with_reader(PeriodicReader::builder(exporter.clone()).build())
-            .build();
-        Self { provider, exporter }
-    }
-
-    fn metrics(&self, target: &str) -> GrpcMetrics {
-        GrpcMetrics::new(&self.provider.meter("tests"), target)
-    }
-
-    /// What the exporter has after a flush.
-    fn collect(&self) -> Collected {
-        self.provider.force_flush().unwrap();
-        let exported = self.exporter.get_finished_metrics().unwrap();
-        Collected(exported.into_iter().last().expect("an export"))
-    }
-}
-
-struct Collected(ResourceMetrics);
-
-/// One data point: its attributes, and count / sum / bounds (histograms) or
-/// value (counters, gauges).
-#[derive(Debug, Clone, PartialEq)]
-struct Point {
-    attributes: BTreeMap<String, String>,
-    count: u64,
-    sum: f64,
-    bounds: Vec<f64>,
-}
-
-impl Collected {
-    /// The unit and the points of the metric `name` (`None`: not exported).
-    fn get(&self, name: &str) -> Option<(String, Vec<Point>)> {
-        let metric = self
-            .0
-            .scope_metrics()
-            .flat_map(|s| s.metrics())
-            .find(|m| m.name() == name)?;
-        let attributes = |kv: &mut dyn Iterator<Item = &opentelemetry::KeyValue>| {
-            kv.map(|kv| (kv.key.to_string(), kv.value.to_string()))
-                .collect::<BTreeMap<_, _>>()
-        };
-        let points = match metric.data() {
-            AggregatedMetrics::F64(MetricData::Histogram(h)) => h
-                .data_points()
-                .map(|p| Point {
-                    attributes: attributes(&mut p.attributes()),
-                    count: p.count(),
-                    sum: p.sum(),
-                    bounds: p.bounds().collect(),
-                })
-                .collect(),
-            AggregatedMetrics::U64(MetricData::Histogram(h)) => h
-                .data_points()
-                .map(|p| Point {
-                    attributes: attributes(&mut p.attributes()),
-                    count: p.count(),
-                    sum: p.sum() as f64,
-                    bounds: p.bounds().collect(),
-                })
-                .collect(),
-            AggregatedMetrics::U64(MetricData::Sum(s)) => s
-                .data_points()
-                .map(|p| Point {
-                    attributes: attributes(&mut p.attributes()),
-                    count: 1,
-                    sum: p.value() as f64,
-                    bounds: vec![],
-                })
-                .collect(),
-            AggregatedMetrics::F64(MetricData::Gauge(g)) => g
-                .data_points()
-                .map(|p| Point {
-                    attributes: attributes(&mut p.attributes()),
-                    count: 1,
-                    sum: p.value(),
-                    bounds: vec![],
-                })
-                .collect(),
-            other => panic!("{name}: unexpected data {other:?}"),
-        };
-        Some((metric.unit().to_owned(), points))
-    }
-
-    fn points(&self, name: &str) -> Vec<Point> {
-        self.get(name).map(|(_, p)| p).unwrap_or_default()
-    }
-
-    /// The one point of `name` whose attributes include `with`.
-    fn point(&self, name: &str, with: &[(&str, &str)]) -> Point {
-        let matching: Vec<_> = self
-            .points(name)
-            .into_iter()
-            .filter(|p| {
-                with.iter()
-                    .all(|(k, v)| p.attributes.get(*k).map(String::as_str) == Some(*v))
-            })
-            .collect();
-        assert_eq!(
-            matching.len(),
-            1,
-            "{name} {with:?}: {:?}",
-            self.points(name)
-        );
-        matching.into_iter().next().unwrap()
-    }
-}
-
-fn attrs(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
 
 type Svc = tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>>;
 

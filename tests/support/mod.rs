@@ -215,3 +215,6 @@ pub fn ok_trailers() -> HeaderMap {
     trailers.insert("grpc-status", HeaderValue::from_static("0"));
     trailers
 }
+
+#[cfg(feature = "opentelemetry")]
+pub mod exported;
