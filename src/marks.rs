@@ -22,25 +22,70 @@ pub const ALREADY_TRIED: HeaderName = HeaderName::from_static("x-already-tried")
 pub const INSTANCE_ID: HeaderName = HeaderName::from_static("x-instance-id");
 
 /// A fresh idempotency key: 128 random bits as 32 lowercase hex digits.
+///
+/// Keys are cut from a block of [`KEYS_PER_BLOCK`] made at once on each
+/// thread: one allocation and one pass of the generator per block rather
+/// than per call, and each key a reference into the block (the header is
+/// cloned for every attempt, and a clone of it is a reference count). A block
+/// is freed when the last call holding one of its keys ends.
 pub(crate) fn new_idempotency_key() -> HeaderValue {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bits: u128 = rand::random();
-    let mut buf = [0u8; 32];
-    for (pair, byte) in buf.chunks_exact_mut(2).zip(bits.to_be_bytes()) {
-        pair[0] = HEX[usize::from(byte >> 4)];
-        pair[1] = HEX[usize::from(byte & 0xf)];
-    }
-    // `from_owner` makes a reference-counted `Bytes` in one allocation; the
-    // header is cloned for every attempt, and a copied slice would allocate
-    // again on its first clone.
-    let mut key = HeaderValue::from_maybe_shared(Bytes::from_owner(buf))
-        .expect("hex digits are a valid header value");
+    let key = KEYS
+        .try_with(|keys| {
+            let mut keys = keys.borrow_mut();
+            if keys.is_empty() {
+                *keys = key_block(KEYS_PER_BLOCK);
+            }
+            keys.split_to(KEY_LEN)
+        })
+        // The thread is ending and its block is gone: a key of its own.
+        .unwrap_or_else(|_| key_block(1));
+    let mut key = HeaderValue::from_maybe_shared(key).expect("hex digits are a valid header value");
     // A value that never repeats must stay out of HPACK's dynamic table:
     // indexing it would evict the headers that do repeat and make every
     // request on the connection larger. "Sensitive" values are sent as
     // never-indexed literals.
     key.set_sensitive(true);
     key
+}
+
+/// The length of a key, in hex digits.
+const KEY_LEN: usize = 32;
+
+/// How many keys a thread makes at once (2 KiB of hex digits).
+const KEYS_PER_BLOCK: usize = 64;
+
+thread_local! {
+    /// This thread's keys not yet handed out (empty: make a block).
+    static KEYS: std::cell::RefCell<Bytes> = const { std::cell::RefCell::new(Bytes::new()) };
+}
+
+/// `count` keys of 128 bits each from the thread's cryptographically seeded
+/// generator, as hex digits.
+fn key_block(count: usize) -> Bytes {
+    use rand::Rng;
+
+    let mut words = vec![0u64; count * KEY_LEN / 16];
+    rand::rng().fill(&mut words[..]);
+    let mut digits = vec![0u8; count * KEY_LEN];
+    for (out, word) in digits.chunks_exact_mut(16).zip(words) {
+        // Every nibble of the word becomes one digit, so all 64 random bits
+        // are kept (in an order of no consequence: they are random).
+        const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+        out[..8].copy_from_slice(&hex_digits(word & LOW));
+        out[8..].copy_from_slice(&hex_digits((word >> 4) & LOW));
+    }
+    Bytes::from(digits)
+}
+
+/// The lowercase hex digits of eight nibbles, one in each byte of
+/// `nibbles` (each byte 0 to 15), eight at a time.
+fn hex_digits(nibbles: u64) -> [u8; 8] {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    // 1 in each byte whose nibble is 10 or more; no byte carries into the
+    // next (15 + 6 < 256, and 15 + '0' + 39 < 256).
+    let letters = ((nibbles + 6 * ONES) >> 4) & ONES;
+    let digits = nibbles + u64::from(b'0') * ONES + letters * u64::from(b'a' - b'0' - 10);
+    digits.to_le_bytes()
 }
 
 /// The longest instance id, in bytes, that the already-tried mark carries;
@@ -334,6 +379,45 @@ mod tests {
         assert_eq!(a.len(), 32);
         assert!(a.to_str().unwrap().bytes().all(|c| c.is_ascii_hexdigit()));
         assert_ne!(a, b);
+        assert!(a.is_sensitive());
+    }
+
+    #[test]
+    fn every_nibble_has_its_digit() {
+        let nibbles = u64::from_le_bytes([0, 1, 9, 10, 11, 14, 15, 5]);
+        assert_eq!(&hex_digits(nibbles), b"019abef5");
+        for n in 0..16u64 {
+            let digit = hex_digits(n * 0x0101_0101_0101_0101);
+            let want = b"0123456789abcdef"[n as usize];
+            assert_eq!(digit, [want; 8], "nibble {n}");
+        }
+    }
+
+    #[test]
+    fn keys_across_blocks_are_all_distinct_lowercase_hex() {
+        // Several blocks' worth, on two threads: no key repeats, and every
+        // digit is used (a broken digit table would show as a missing one).
+        let on_thread = || {
+            (0..KEYS_PER_BLOCK * 5 + 3)
+                .map(|_| new_idempotency_key())
+                .collect::<Vec<_>>()
+        };
+        let other = std::thread::spawn(on_thread);
+        let mut keys = on_thread();
+        keys.extend(other.join().unwrap());
+        let mut digits = std::collections::BTreeSet::new();
+        for key in &keys {
+            let key = key.to_str().unwrap();
+            assert_eq!(key.len(), KEY_LEN);
+            assert!(
+                key.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')),
+                "{key}"
+            );
+            digits.extend(key.bytes());
+        }
+        assert_eq!(digits.len(), 16);
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len());
     }
 
     #[test]
