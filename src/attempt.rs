@@ -39,7 +39,7 @@ use crate::marks::AlreadyTried;
 use crate::metrics::{Event, RetryMetrics};
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
-use crate::status::GRPC_STATUS;
+use crate::status::{GRPC_STATUS, code_at_headers};
 use crate::trace::{AttemptTrace, Trace};
 
 /// The time limits every attempt of one call runs under.
@@ -538,6 +538,18 @@ where
     }
 }
 
+impl<S, B, Bu> AttemptFuture<S, B, Bu>
+where
+    S: Service<Request<B>>,
+{
+    /// The call's deadline passed with this attempt in flight, and it is
+    /// dropped after this: its metrics end `DEADLINE_EXCEEDED`, as the call
+    /// does, not `CANCELLED`.
+    pub(crate) fn out_of_time(self: Pin<&mut Self>) {
+        self.project().traced.end(tonic::Code::DeadlineExceeded);
+    }
+}
+
 /// Whether the timer, if any, has fired.
 fn fired(timer: Pin<&mut Option<Sleep>>, cx: &mut Context<'_>) -> bool {
     timer
@@ -691,7 +703,9 @@ fn send<B, Bu: Budget>(
         // cannot be sent whole is not sent, nor paid for.
         req.body().whole().map_err(Failure::Unreplayable)?;
         if req.body().is_retry() {
-            if !shared.budget.withdraw() {
+            let paid = shared.budget.withdraw();
+            shared.budget_moved();
+            if !paid {
                 return Err(Failure::NoBudget);
             }
             let event = if req.body().is_hedge() {
@@ -715,12 +729,13 @@ fn trace_outcome<RB>(
     mut traced: AttemptTrace,
 ) {
     match outcome {
-        Ok(response) => match response.headers().get(GRPC_STATUS) {
-            Some(status) => {
-                let message = response.headers().get(crate::status::GRPC_MESSAGE);
-                traced.end(crate::status::code_as_tonic_reads(status, message));
-            }
-            None => response.body_mut().trace(traced.into_call_end()),
+        // NOTE: an answer its headers decide (a status, or an HTTP error such
+        // as a proxy's 503) ends the attempt here, whether the caller gets it
+        // or it is retried; one its trailers decide ends with its body, which
+        // ends the call too once the caller is given it.
+        Ok(response) => match code_at_headers(response.status(), response.headers()) {
+            Some(code) => traced.end(code),
+            None => response.body_mut().trace(traced),
         },
         Err(Failure::Transport(_)) => traced.no_response(),
         Err(_) => traced.end(tonic::Code::DeadlineExceeded),

@@ -1,5 +1,6 @@
 //! The response body type of [`RetryService`](crate::RetryService).
 
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -11,11 +12,12 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
-use crate::classify::repair_status_details;
+use crate::classify::{repair_status_details, status_in};
 use crate::deadline::timer_at;
 use crate::status::{GRPC_MESSAGE, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads};
 use crate::trace::AttemptTrace;
 use tonic::Code;
+use tower::BoxError;
 
 pin_project! {
     /// The inner service's response body, passed through frame by frame, or the
@@ -89,6 +91,12 @@ impl<B> ResponseBody<B> {
         self.traced = traced;
     }
 
+    /// The caller reads this body: the attempt's end, when it ends, is the
+    /// call's. Whether it carries an attempt's metrics still open.
+    pub(crate) fn ends_call(&mut self) -> bool {
+        self.traced.ends_call()
+    }
+
     /// Credits `credit` once, if the body's trailers end the call with `OK`.
     pub(crate) fn credit_on_ok(&mut self, credit: Arc<dyn Credit>) {
         self.on_ok = Some(OnOk(credit));
@@ -146,7 +154,26 @@ fn read_trailers(trailers: &HeaderMap) -> (Option<Code>, bool) {
     (code, details)
 }
 
-impl<B: Body> Body for ResponseBody<B> {
+/// The code tonic's client reports for a body that failed with `error`: the
+/// `Status` it is (the body error of tonic's `Channel`) or carries, else
+/// `UNKNOWN`.
+// NOTE: tonic reads a bare hyper or h2 error by its reason too; the layer
+// does not depend on either, and tonic's `Channel` hands over a `Status`.
+fn code_of_error(error: &(dyn Any + 'static)) -> Code {
+    if let Some(status) = error.downcast_ref::<tonic::Status>() {
+        return status.code();
+    }
+    if let Some(boxed) = error.downcast_ref::<BoxError>()
+        && let Some(status) = status_in(&**boxed)
+    {
+        return status.code();
+    }
+    Code::Unknown
+}
+
+// NOTE: `B: 'static` (which every constructor of the layer's service asks
+// already) lets a failed body's error be read for its metrics.
+impl<B: Body + 'static> Body for ResponseBody<B> {
     type Data = B::Data;
     type Error = B::Error;
 
@@ -223,7 +250,9 @@ impl<B: Body> Body for ResponseBody<B> {
                     Frame::trailers(trailers)
                 }
                 None => {
-                    this.traced.end(Code::Unknown);
+                    if this.traced.is_on() {
+                        this.traced.end(code_of_error(&error));
+                    }
                     return Poll::Ready(Some(Err(error)));
                 }
             },

@@ -422,6 +422,7 @@ pub(crate) fn previous_attempts(sent: u32) -> HeaderValue {
 impl<Bu: Budget> Credit for Shared<Bu> {
     fn credit(&self) {
         Budget::deposit(&self.budget);
+        self.budget_moved();
     }
 }
 
@@ -547,6 +548,7 @@ where
             sent,
         };
         let decision = state.decide(shared, policy, outcome);
+        shared.budget_moved();
         let attempt = state.made;
         let name = code_name(verdict.code());
         // Retry at one layer: a call given up on after retrying, or refused a

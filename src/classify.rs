@@ -24,6 +24,7 @@ use tonic::Code;
 use crate::policy::{RetryWhen, RetryableCodes};
 use crate::status::{
     GRPC_MESSAGE, GRPC_RETRY_PUSHBACK, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads,
+    code_for_http_status,
 };
 
 /// The base64 flavour tonic decodes `grpc-status-details-bin` with: standard
@@ -174,19 +175,6 @@ fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
         let value = value.as_bytes();
         value.starts_with(GRPC) && matches!(value.get(GRPC.len()), None | Some(b'+' | b';'))
     })
-}
-
-/// The gRPC code for an HTTP response that carries no `grpc-status`, as gRPC
-/// clients map it.
-fn code_for_http_status(status: StatusCode) -> Code {
-    match status.as_u16() {
-        400 => Code::Internal,
-        401 => Code::Unauthenticated,
-        403 => Code::PermissionDenied,
-        404 => Code::Unimplemented,
-        429 | 502 | 503 | 504 => Code::Unavailable,
-        _ => Code::Unknown,
-    }
 }
 
 pub(crate) enum Pushback {

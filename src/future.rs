@@ -72,11 +72,11 @@ where
         // NOTE: the call policy turns every failure into a status response
         // before `Retry` hands it over; the mapping below only makes that total.
         let this = self.project();
-        let response = match ready!(this.inner.poll(cx)) {
+        let mut response = match ready!(this.inner.poll(cx)) {
             Ok(response) => response,
             Err(failure) => failure_response(&failure, 1),
         };
-        this.end.ready(&response);
+        this.end.ready(&mut response);
         Poll::Ready(Ok(response))
     }
 }

@@ -186,14 +186,11 @@ impl<Bu, B> RetryLayer<Bu, B> {
         Bu: crate::budget::Budget,
     {
         if self.shared.otel.get().is_none() {
-            // NOTE: the gauge's callback holds the layer weakly: the meter
-            // must not keep a dropped layer alive.
-            let weak = Arc::downgrade(&self.shared);
-            let balance = move || weak.upgrade().and_then(|shared| shared.budget.balance());
             let throttle = self.shared.budget.refusal_keeps_status();
-            let (otel, refusals) = metrics.build(balance, throttle);
+            let (otel, refusals) = metrics.build(throttle);
             if self.shared.otel.set(Arc::new(otel)).is_ok() {
                 self.shared.metrics.export_refusals(refusals);
+                self.shared.budget_moved();
             }
         }
         self

@@ -41,18 +41,21 @@
 //! * `tonic_retry.retries.refused` counts retries the layer decided and did
 //!   not send, by `reason`: `budget` (no token; `throttle` with a
 //!   [`RetryThrottle`](crate::RetryThrottle)) or `deadline` (no time left).
-//!   The gauge is the budget's balance, for budgets that know it.
+//!   The gauge is the budget's balance, for budgets that know it, set each
+//!   time a call through the layer moves it (one series per `grpc.target`:
+//!   layers with budgets of their own want targets of their own).
 //!
 //! With the feature on and no metrics given to the layer, a call costs one
 //! check more than without the feature.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, Meter, ObservableGauge};
+use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter};
 use tokio::time::Instant;
 use tonic::Code;
 
@@ -204,7 +207,10 @@ pub(crate) struct Otel {
     any: usize,
     seen: RwLock<HashMap<Box<str>, KeyValue>>,
     other: KeyValue,
-    _gauge: ObservableGauge<f64>,
+    /// The budget's balance, and the one it was last set to (bits of an
+    /// `f64`, NaN before the first).
+    gauge: Gauge<f64>,
+    gauged: AtomicU64,
 }
 
 /// What the layer counts that an OpenTelemetry counter records too: retries
@@ -226,12 +232,8 @@ impl Refusals {
 }
 
 impl GrpcMetrics {
-    /// The layer's instruments; `balance` reads its budget's balance for the
-    /// gauge, and `throttle` says the budget is A6's throttle.
-    pub(crate) fn build<F>(self, balance: F, throttle: bool) -> (Otel, Refusals)
-    where
-        F: Fn() -> Option<f64> + Send + Sync + 'static,
-    {
+    /// The layer's instruments; `throttle` says its budget is A6's throttle.
+    pub(crate) fn build(self, throttle: bool) -> (Otel, Refusals) {
         let m = &self.meter;
         let latency = |name: &'static str, description: &'static str| {
             m.f64_histogram(name)
@@ -249,16 +251,14 @@ impl GrpcMetrics {
                     .build()
             };
         let target = KeyValue::new("grpc.target", self.target);
-        let gauge_target = target.clone();
+        // NOTE: a synchronous gauge, set when the balance moves, rather than
+        // an observable one: OpenTelemetry keeps an observable instrument's
+        // callback as long as its meter provider lives, so a layer built per
+        // backend or per reload would leave one behind each time.
         let gauge = m
-            .f64_observable_gauge("tonic_retry.budget.tokens")
+            .f64_gauge("tonic_retry.budget.tokens")
             .with_unit("{token}")
             .with_description("Tokens in the retry budget of the layer.")
-            .with_callback(move |observer| {
-                if let Some(tokens) = balance() {
-                    observer.observe(tokens, std::slice::from_ref(&gauge_target));
-                }
-            })
             .build();
         let refused = m
             .u64_counter("tonic_retry.retries.refused")
@@ -312,13 +312,34 @@ impl GrpcMetrics {
             any: self.any,
             seen: RwLock::default(),
             other: KeyValue::new("grpc.method", OTHER),
-            _gauge: gauge,
+            gauge,
+            gauged: AtomicU64::new(f64::NAN.to_bits()),
         };
         (otel, refusals)
     }
 }
 
 impl Otel {
+    /// The budget's balance may have moved: sets the gauge if it did.
+    #[inline]
+    pub(crate) fn balance(&self, tokens: Option<f64>) {
+        if let Some(tokens) = tokens {
+            let bits = tokens.to_bits();
+            if self.gauged.load(Ordering::Relaxed) != bits {
+                self.set_balance(tokens, bits);
+            }
+        }
+    }
+
+    #[inline(never)]
+    fn set_balance(&self, tokens: f64, bits: u64) {
+        // NOTE: two threads moving the balance at once may set it out of
+        // order; the next move sets it right.
+        self.gauged.store(bits, Ordering::Relaxed);
+        self.gauge
+            .record(tokens, std::slice::from_ref(&self.target));
+    }
+
     /// The `grpc.method` of a request to `path`.
     fn method(&self, path: &str) -> KeyValue {
         if let Some(named) = self.named.get(path) {
@@ -539,11 +560,15 @@ impl AttemptTrace {
     }
 
     /// The attempt's response goes to the caller: its end is the call's.
-    pub(crate) fn into_call_end(mut self) -> Self {
-        if let Some(started) = &mut self.0 {
-            started.ends_call = true;
+    /// Whether the attempt is still open, to end it.
+    pub(crate) fn ends_call(&mut self) -> bool {
+        match &mut self.0 {
+            Some(started) => {
+                started.ends_call = true;
+                true
+            }
+            None => false,
         }
-        self
     }
 }
 

@@ -32,6 +32,19 @@ impl<Bu> Shared<Bu> {
         })
     }
 
+    /// The budget's balance may have moved: the gauge of gRPC's standard
+    /// metrics follows it, if the layer records them.
+    #[inline]
+    pub(crate) fn budget_moved(&self)
+    where
+        Bu: crate::budget::Budget,
+    {
+        #[cfg(feature = "opentelemetry")]
+        if let Some(otel) = self.otel.get() {
+            otel.balance(self.budget.balance());
+        }
+    }
+
     /// The metrics trace of a call to `path` starting now: nothing unless
     /// the layer was given gRPC's standard metrics.
     #[inline]

@@ -1,7 +1,7 @@
 //! gRPC status on the wire: the header names the layer reads and writes, and
 //! the Trailers-Only responses it answers with when it ends a call itself.
 
-use http::{HeaderName, HeaderValue, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tonic::Code;
 
 pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
@@ -34,6 +34,32 @@ pub(crate) fn code_as_tonic_reads(status: &HeaderValue, message: Option<&HeaderV
             Code::Unknown
         }
         _ => code,
+    }
+}
+
+/// The gRPC code for an HTTP response that carries no `grpc-status`, as gRPC
+/// clients map it (tonic's client among them, when the body ends).
+pub(crate) fn code_for_http_status(status: StatusCode) -> Code {
+    match status.as_u16() {
+        400 => Code::Internal,
+        401 => Code::Unauthenticated,
+        403 => Code::PermissionDenied,
+        404 => Code::Unimplemented,
+        429 | 502 | 503 | 504 => Code::Unavailable,
+        _ => Code::Unknown,
+    }
+}
+
+/// The code a response ends with as its headers already say, as tonic's
+/// client will read it: its `grpc-status` (a Trailers-Only answer), or the
+/// code of an HTTP status other than 200 when it has none. `None` for a
+/// response whose body's trailers will say.
+#[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+pub(crate) fn code_at_headers(status: StatusCode, headers: &HeaderMap) -> Option<Code> {
+    match headers.get(GRPC_STATUS) {
+        Some(code) => Some(code_as_tonic_reads(code, headers.get(GRPC_MESSAGE))),
+        None if status == StatusCode::OK => None,
+        None => Some(code_for_http_status(status)),
     }
 }
 

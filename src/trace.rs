@@ -54,8 +54,8 @@ mod off {
         pub(crate) fn no_response(&mut self) {}
 
         #[inline(always)]
-        pub(crate) fn into_call_end(self) -> Self {
-            self
+        pub(crate) fn ends_call(&mut self) -> bool {
+            false
         }
 
         #[inline(always)]
@@ -64,6 +64,8 @@ mod off {
         }
     }
 }
+
+use crate::body::ResponseBody;
 
 /// The end of a call its response future is waiting for: `CANCELLED` if
 /// the future is dropped first; otherwise its response's (a status answer
@@ -76,13 +78,20 @@ impl CallEnd {
         Self(trace.is_on().then_some(trace))
     }
 
-    /// The response future is ready with `response`.
-    pub(crate) fn ready<B>(&mut self, response: &http::Response<B>) {
+    /// The response future is ready with `response`, which the caller gets:
+    /// the call ends now if its headers say how, else when its body ends.
+    pub(crate) fn ready<B>(&mut self, response: &mut http::Response<ResponseBody<B>>) {
         if let Some(trace) = self.0.take() {
-            let headers = response.headers();
-            if let Some(status) = headers.get(crate::status::GRPC_STATUS) {
-                let message = headers.get(crate::status::GRPC_MESSAGE);
-                trace.end(crate::status::code_as_tonic_reads(status, message));
+            let code = crate::status::code_at_headers(response.status(), response.headers());
+            match code {
+                Some(code) => trace.end(code),
+                None => {
+                    if !response.body_mut().ends_call() {
+                        // No attempt's metrics in the body: nothing else
+                        // would end the call.
+                        trace.end(tonic::Code::Unknown);
+                    }
+                }
             }
         }
     }

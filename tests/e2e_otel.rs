@@ -8,16 +8,23 @@ mod common;
 mod support;
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use common::Instance;
 use common::pb::library_client::LibraryClient;
+use common::pb::library_server::LibraryServer;
 use common::pb::{GetBookRequest, ListBooksRequest};
 use support::exported::Exported;
 use tonic::Code;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
 use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
-use tower::ServiceBuilder;
+use tower::{BoxError, Service, ServiceBuilder};
 
 const MS: Duration = Duration::from_millis(1);
 const GET_BOOK: &str = "/library.v1.Library/GetBook";
@@ -232,4 +239,104 @@ async fn a_fatal_status_from_the_server_is_the_calls_status() {
         1.0
     );
     assert!(got.points("grpc.client.call.retries").is_empty());
+}
+
+/// A proxy in front of the server that answers the first request HTTP 503
+/// without `grpc-status`, as Envoy or nginx does for an overloaded upstream.
+#[derive(Clone)]
+struct Proxy503<S> {
+    inner: S,
+    seen: Arc<AtomicU64>,
+}
+
+impl<S> Service<http::Request<tonic::body::Body>> for Proxy503<S>
+where
+    S: Service<http::Request<tonic::body::Body>, Response = http::Response<tonic::body::Body>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        if self.seen.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Box::pin(async {
+                Ok(http::Response::builder()
+                    .status(503)
+                    .header("content-type", "text/plain")
+                    .body(tonic::body::Body::empty())
+                    .unwrap())
+            });
+        }
+        let fut = self.inner.call(req);
+        Box::pin(async move { fut.await.map_err(Into::into) })
+    }
+}
+
+#[tokio::test]
+async fn a_call_retried_past_a_proxys_503_is_recorded_ok_with_one_retry() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let incoming = TcpIncoming::from(listener);
+    let seen = Arc::new(AtomicU64::new(0));
+    let s = seen.clone();
+    tokio::spawn(
+        Server::builder()
+            .layer(tower::layer::layer_fn(move |inner| Proxy503 {
+                inner,
+                seen: s.clone(),
+            }))
+            .add_service(LibraryServer::new(common::Shelf::default()))
+            .serve_with_incoming(incoming),
+    );
+
+    let exported = Exported::new();
+    let target = format!("dns:///{addr}");
+    let metrics = exported
+        .metrics(&target)
+        .with_methods(["/library.v1.Library/GetBook"])
+        .unwrap();
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0).unwrap();
+    let layer =
+        RetryLayer::new(policy, RetryBudget::new(200, 0.1).unwrap()).with_grpc_metrics(metrics);
+    let mut client = LibraryClient::new(
+        ServiceBuilder::new()
+            .layer(layer)
+            .service(common::library::channel(addr)),
+    );
+    let book = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.get_book(GetBookRequest { isbn: "7".into() }),
+    )
+    .await
+    .expect("bounded")
+    .expect("the retry succeeds");
+    assert_eq!(book.into_inner().isbn, "7");
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        2,
+        "two attempts reached the proxy"
+    );
+
+    let got = exported.collect();
+    let calls: Vec<_> = got
+        .points("grpc.client.call.duration")
+        .into_iter()
+        .map(|p| (p.attributes["grpc.status"].clone(), p.count))
+        .collect();
+    assert_eq!(calls, vec![("OK".to_owned(), 1)], "call.duration");
+    let retries: f64 = got
+        .points("grpc.client.call.retries")
+        .iter()
+        .map(|p| p.sum)
+        .sum();
+    assert_eq!(retries, 1.0, "call.retries");
 }

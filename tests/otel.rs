@@ -369,3 +369,200 @@ async fn refusals_by_reason_and_the_budget_balance() {
     let tokens = got.point("tonic_retry.budget.tokens", &[TARGET]);
     assert_eq!(tokens.sum, 0.5);
 }
+
+/// What a proxy (Envoy, nginx, a load balancer) answers for an overloaded or
+/// missing backend: an HTTP error status, no `grpc-status`, an empty body.
+fn http_error(status: u16) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/grpc")
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// The `grpc.status` values of every point of `name`, with their counts.
+fn statuses(got: &support::exported::Collected, name: &str) -> Vec<(String, u64)> {
+    let mut v: Vec<_> = got
+        .points(name)
+        .into_iter()
+        .map(|p| (p.attributes["grpc.status"].clone(), p.count))
+        .collect();
+    v.sort();
+    v
+}
+
+/// A unary call made by tonic's own generic client over `svc`: the status
+/// tonic's client reports.
+async fn tonic_unary(svc: Svc) -> Result<(), tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(svc);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unknown(e.to_string()))?;
+    let codec = tonic_prost::ProstCodec::<(), ()>::default();
+    grpc.unary(
+        tonic::Request::new(()),
+        http::uri::PathAndQuery::from_static(GET_BOOK),
+        codec,
+    )
+    .await
+    .map(|_| ())
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_http_503_retried_to_ok_records_a_call_that_ended_ok_after_one_retry() {
+    let exported = Exported::new();
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0).unwrap();
+    let (mut svc, mut handle) = layered(policy, budget(), named(&exported));
+    let c = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(http_error(503)); // UNAVAILABLE: retried
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(c.await.unwrap().unwrap()).await, Code::Ok);
+    let got = exported.collect();
+    // The caller got OK: one call, OK.
+    assert_eq!(
+        statuses(&got, "grpc.client.call.duration"),
+        vec![("OK".to_owned(), 1)],
+        "call.duration"
+    );
+    // One retry was sent.
+    assert_eq!(
+        got.points("grpc.client.call.retries")
+            .iter()
+            .map(|p| p.sum)
+            .sum::<f64>(),
+        1.0,
+        "call.retries"
+    );
+    // The 503 attempt ended UNAVAILABLE (as gRPC maps HTTP 503), not CANCELLED.
+    assert_eq!(
+        statuses(&got, "grpc.client.attempt.duration"),
+        vec![("OK".to_owned(), 1), ("UNAVAILABLE".to_owned(), 1)],
+        "attempt.duration"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_http_503_whose_retry_is_refused_records_the_status_the_caller_got() {
+    let exported = Exported::new();
+    // Half a token: the retry is refused by the budget.
+    let poor = RetryBudget::new(1, 0.001).unwrap();
+    let (mut svc, mut handle) = layered(RetryPolicy::default(), poor, named(&exported));
+    let c = spawn_call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(http_error(503));
+    let response = c.await.unwrap().unwrap();
+    let got_code = read_to_end(response).await;
+    assert_eq!(got_code, Code::ResourceExhausted, "what the caller got");
+    let got = exported.collect();
+    assert_eq!(
+        statuses(&got, "grpc.client.call.duration"),
+        vec![("RESOURCE_EXHAUSTED".to_owned(), 1)],
+        "call.duration"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_answered_http_503_does_not_end_the_hedged_call() {
+    let exported = Exported::new();
+    let hedge = HedgePolicy::new(2, 10 * MS).unwrap();
+    let (mut svc, mut handle) = layered(hedge, budget(), named(&exported));
+    let c = spawn_call(&mut svc, request()).await;
+    let (_, first, _) = next(&mut handle).await;
+    let (_, second, _) = next(&mut handle).await;
+    // The first hedge's proxy says 503 (non-fatal UNAVAILABLE); the second
+    // one answers 100 ms later with OK.
+    first.send_response(http_error(503));
+    tokio::time::sleep(100 * MS).await;
+    second.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(c.await.unwrap().unwrap()).await, Code::Ok);
+    let got = exported.collect();
+    let calls = got.points("grpc.client.call.duration");
+    assert_eq!(
+        statuses(&got, "grpc.client.call.duration"),
+        vec![("OK".to_owned(), 1)],
+        "call.duration: {calls:?}"
+    );
+    let call = &calls[0];
+    assert!(call.sum >= 0.1, "the call lasted 100 ms: {}", call.sum);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_http_404_is_recorded_unimplemented_as_tonic_reads_it() {
+    let exported = Exported::new();
+    let (svc, mut handle) = layered(RetryPolicy::default(), budget(), named(&exported));
+    let server = tokio::spawn(async move {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(http_error(404));
+        handle
+    });
+    let status = tonic_unary(svc).await.unwrap_err();
+    let _handle = server.await.unwrap();
+    assert_eq!(
+        status.code(),
+        Code::Unimplemented,
+        "tonic reads: {status:?}"
+    );
+    let got = exported.collect();
+    for name in ["grpc.client.attempt.duration", "grpc.client.call.duration"] {
+        assert_eq!(
+            statuses(&got, name),
+            vec![("UNIMPLEMENTED".to_owned(), 1)],
+            "{name}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_that_fails_mid_stream_is_recorded_with_the_status_tonic_reads() {
+    let exported = Exported::new();
+    let (svc, mut handle) = layered(RetryPolicy::default(), budget(), named(&exported));
+    let server = tokio::spawn(async move {
+        let (_, send, _) = next(&mut handle).await;
+        let (tx, response) = streaming_response();
+        send.send_response(response);
+        // The stream is reset (RST_STREAM INTERNAL_ERROR): tonic's Channel
+        // gives its body error as the Status tonic maps it to.
+        tx.send(Err(tonic::Status::internal(
+            "h2 protocol error: stream reset",
+        )))
+        .unwrap();
+        handle
+    });
+    let status = tonic_unary(svc).await.unwrap_err();
+    let _handle = server.await.unwrap();
+    assert_eq!(status.code(), Code::Internal, "tonic reads: {status:?}");
+    let got = exported.collect();
+    for name in ["grpc.client.attempt.duration", "grpc.client.call.duration"] {
+        assert_eq!(
+            statuses(&got, name),
+            vec![("INTERNAL".to_owned(), 1)],
+            "{name}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn hedges_in_flight_at_the_deadline_end_deadline_exceeded() {
+    let exported = Exported::new();
+    let hedge = HedgePolicy::new(3, 10 * MS).unwrap();
+    let (mut svc, mut handle) = layered(hedge, budget(), named(&exported));
+    let c = call(&mut svc, with_timeout(request(), "50m")).await;
+    // Three attempts, none of them answered by the deadline.
+    let (_, _first, _) = next(&mut handle).await;
+    let (_, _second, _) = next(&mut handle).await;
+    let (_, _third, _) = next(&mut handle).await;
+    let response = c.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    drop(response);
+    let got = exported.collect();
+    assert_eq!(
+        statuses(&got, "grpc.client.attempt.duration"),
+        vec![("DEADLINE_EXCEEDED".to_owned(), 3)]
+    );
+    assert_eq!(
+        statuses(&got, "grpc.client.call.duration"),
+        vec![("DEADLINE_EXCEEDED".to_owned(), 1)]
+    );
+}

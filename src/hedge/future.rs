@@ -246,7 +246,9 @@ where
                         *this.unsent = Some(failure);
                     }
                     Judged::Deadline => {
-                        this.inflight.clear();
+                        for mut other in this.inflight.drain(..) {
+                            other.future.as_mut().out_of_time();
+                        }
                         *this.template = None;
                         return Poll::Ready(status_response(
                             Code::DeadlineExceeded,
@@ -530,6 +532,7 @@ fn judge<RB, Bu: Budget>(
     };
     // A6: non-fatal answers (and "do not retry" pushback) charge throttling.
     shared.budget.on_retryable_failure();
+    shared.budget_moved();
     let header = policy.instance_header.as_ref();
     let instance = response
         .as_ref()

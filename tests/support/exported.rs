@@ -27,6 +27,12 @@ impl Exported {
         GrpcMetrics::new(&self.provider.meter("tests"), target)
     }
 
+    /// Has the provider collect and export what it holds (running any
+    /// callbacks its instruments registered).
+    pub fn flush(&self) {
+        self.provider.force_flush().unwrap();
+    }
+
     /// What the exporter has after a flush.
     pub fn collect(&self) -> Collected {
         self.provider.force_flush().unwrap();
