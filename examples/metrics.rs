@@ -70,10 +70,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     for metric in last.scope_metrics().flat_map(|s| s.metrics()) {
         println!("{} ({})", metric.name(), metric.unit());
+        // Sorted by key: the SDK keeps a series' attributes in no set order.
         let attributes = |kvs: &mut dyn Iterator<Item = &opentelemetry::KeyValue>| {
-            kvs.map(|kv| format!("{}={}", kv.key, kv.value))
-                .collect::<Vec<_>>()
-                .join(", ")
+            let mut kvs: Vec<_> = kvs.map(|kv| format!("{}={}", kv.key, kv.value)).collect();
+            kvs.sort();
+            kvs.join(", ")
         };
         match metric.data() {
             AggregatedMetrics::F64(MetricData::Histogram(h)) => {
