@@ -1,8 +1,11 @@
 //! A method's recent latencies, for a hedging delay that follows them.
 //!
 //! A sliding window of two halves, each a histogram of log-spaced buckets
-//! (four a power of two, so a bucket spans at most 19 % of its value) of
-//! atomic counts: recording is one add, lock-free, from any thread. The
+//! (four a power of two, so a bucket spans at most 25 % of its lower end) of
+//! atomic counts and sums: recording is two adds, lock-free, from any
+//! thread. The percentile is the mean of the samples in its bucket, so a
+//! method whose latencies sit together gets their value, not the bucket's
+//! edge. The
 //! older half is cleared as the window slides past it, so the percentile
 //! reflects the last one to two half-windows. Reading a percentile scans the
 //! buckets, so the delay is read from it at most every 10 ms (or sixteenth
@@ -46,6 +49,8 @@ struct Half {
     /// is cleared before it counts again.
     tick: AtomicU64,
     counts: [AtomicU64; BUCKETS],
+    /// The sum of each bucket's samples, in µs.
+    sums: [AtomicU64; BUCKETS],
 }
 
 impl Half {
@@ -53,6 +58,7 @@ impl Half {
         Self {
             tick: AtomicU64::new(0),
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            sums: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
@@ -124,8 +130,9 @@ impl Latencies {
         {
             // NOTE: a sample recorded by another thread between the swap and
             // the clearing may be lost: a percentile is an estimate.
-            for count in &half.counts {
+            for (count, sum) in half.counts.iter().zip(&half.sums) {
                 count.store(0, Ordering::Relaxed);
+                sum.store(0, Ordering::Relaxed);
             }
         }
         half
@@ -135,7 +142,11 @@ impl Latencies {
     pub(crate) fn record(&self, latency: Duration) {
         let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
         let half = self.half_for(self.tick(Instant::now()));
-        half.counts[bucket(micros)].fetch_add(1, Ordering::Relaxed);
+        let i = bucket(micros);
+        half.counts[i].fetch_add(1, Ordering::Relaxed);
+        // NOTE: the last bucket holds everything past 2^40 µs; its samples
+        // are summed as that, so no sum can wrap.
+        half.sums[i].fetch_add(micros.min(upper(i)), Ordering::Relaxed);
     }
 
     /// The hedging delay: the percentile of the window's latencies, not
@@ -165,11 +176,15 @@ impl Latencies {
     /// floored; `None` with too few samples.
     fn percentile_micros(&self, tick: u64) -> Option<u64> {
         let mut counts = [0u64; BUCKETS];
+        let mut sums = [0u64; BUCKETS];
         for half in &self.halves {
             let seen = half.tick.load(Ordering::Relaxed);
             if seen == tick || seen.saturating_add(1) == tick {
-                for (sum, count) in counts.iter_mut().zip(&half.counts) {
-                    *sum += count.load(Ordering::Relaxed);
+                for (total, count) in counts.iter_mut().zip(&half.counts) {
+                    *total += count.load(Ordering::Relaxed);
+                }
+                for (total, sum) in sums.iter_mut().zip(&half.sums) {
+                    *total = total.saturating_add(sum.load(Ordering::Relaxed));
                 }
             }
         }
@@ -186,8 +201,18 @@ impl Latencies {
                 seen >= rank.max(1)
             })
             .unwrap_or(BUCKETS - 1);
+        // The mean of the bucket's samples, kept within the bucket (a sample
+        // counted but not yet summed, by another thread, could move it out).
+        let top = upper(index);
+        let lower = index
+            .checked_sub(1)
+            .map_or(0, |i| upper(i).saturating_add(1));
+        let mean = sums[index]
+            .checked_div(counts[index])
+            .unwrap_or(top)
+            .clamp(lower.min(top), top);
         let floor = u64::try_from(self.floor.as_micros()).unwrap_or(u64::MAX);
-        Some(upper(index).max(floor).max(1))
+        Some(mean.max(floor).max(1))
     }
 }
 
@@ -324,6 +349,56 @@ mod tests {
             d >= Duration::from_millis(10) && d <= Duration::from_millis(12),
             "{d:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_percentile_is_its_samples_value_not_its_buckets_edge() {
+        // 8.2 ms lies in the bucket 8,192–10,239 µs.
+        let l = Latencies::new(Duration::from_secs(10), 0.95, Duration::ZERO, 10);
+        for _ in 0..150 {
+            l.record(Duration::from_micros(8_200));
+        }
+        assert_eq!(
+            l.delay(Duration::from_millis(50)),
+            Duration::from_micros(8_200)
+        );
+        // Spread over the bucket, the delay is their mean.
+        let l = Latencies::new(Duration::from_secs(10), 0.5, Duration::ZERO, 10);
+        for micros in [8_200, 8_400, 8_600, 8_800] {
+            for _ in 0..10 {
+                l.record(Duration::from_micros(micros));
+            }
+        }
+        assert_eq!(
+            l.delay(Duration::from_millis(50)),
+            Duration::from_micros(8_500)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_smallest_and_largest_latencies_read_back() {
+        for (micros, expected) in [
+            (0, 1),
+            (1, 1),
+            (2, 2),
+            (3, 3),
+            (4, 4),
+            (5, 5),
+            (7, 7),
+            (u64::MAX, upper(BUCKETS - 1)),
+        ] {
+            let l = Latencies::new(Duration::from_secs(10), 0.99, Duration::ZERO, 1);
+            l.record(Duration::from_micros(micros));
+            l.record(Duration::from_micros(micros));
+            assert_eq!(
+                l.delay(Duration::from_millis(50)),
+                Duration::from_micros(expected),
+                "{micros} µs"
+            );
+        }
+        let l = Latencies::new(Duration::from_secs(10), 0.5, Duration::ZERO, 1);
+        l.record(Duration::MAX);
+        assert!(l.delay(Duration::from_millis(50)) >= Duration::from_secs(1 << 20));
     }
 
     #[tokio::test(start_paused = true)]
