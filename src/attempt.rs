@@ -41,6 +41,7 @@ use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
 use crate::status::{GRPC_STATUS, code_at_headers};
 use crate::trace::{AttemptTrace, Trace};
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// The time limits every attempt of one call runs under.
 #[derive(Clone, Copy, Debug)]
@@ -137,6 +138,9 @@ where
     /// Its attempts may be abandoned while their streams are open (they
     /// have a per-attempt timeout, or hedge), so they are drained then.
     drainable: bool,
+    /// For a call whose attempts may be drained: cancelled if the caller
+    /// drops the call, which ends their drains.
+    cancel: Option<CancellationToken>,
     /// The next call is the call's first attempt.
     first: bool,
     /// `inner` was readied by the caller, through `RetryService::poll_ready`,
@@ -173,11 +177,13 @@ where
         trace: Trace,
     ) -> Self {
         let policy = shared.policies.get(index);
+        let drainable = limits.attempt_timeout.is_some();
         Self {
             inner: first,
             into_box,
             drain,
-            drainable: limits.attempt_timeout.is_some(),
+            drainable,
+            cancel: (drainable || policy.hedge.is_some()).then(CancellationToken::new),
             first: true,
             ready,
             report: policy.instance_header.is_some(),
@@ -195,6 +201,12 @@ impl<S, B, Bu> Attempt<S, B, Bu>
 where
     S: Service<Request<B>>,
 {
+    /// What cancels the drains of the call's abandoned attempts when the
+    /// caller drops the call (disarmed once the call has its answer).
+    pub(crate) fn cancel_on_drop(&self) -> Option<DropGuard> {
+        self.cancel.clone().map(CancellationToken::drop_guard)
+    }
+
     /// Leaves the balancer's report slot to the caller: a hedged call gives
     /// each of its attempts, side by side, a slot of its own.
     pub(crate) fn without_report(mut self) -> Self {
@@ -215,6 +227,7 @@ where
             into_box: self.into_box,
             drain: self.drain,
             drainable: self.drainable,
+            cancel: self.cancel.clone(),
             first: self.first,
             ready: false,
             shared: Arc::clone(&self.shared),
@@ -262,6 +275,7 @@ where
         let drain = self.drainable.then(|| DrainWith {
             drainer: self.drain,
             metrics: self.shared.metrics.clone(),
+            cancel: self.cancel.clone(),
         });
         if first && std::mem::take(&mut self.ready) {
             // The first attempt, on the instance the caller readied: sent now.
@@ -322,6 +336,7 @@ where
             drain: self.drain,
             // Every attempt but the winner is abandoned.
             drainable: true,
+            cancel: self.cancel.clone(),
             first: true,
             ready: std::mem::take(&mut self.ready),
             shared: Arc::clone(&self.shared),
@@ -404,17 +419,23 @@ struct SentAttempt<F> {
     drain: DrainWith<F>,
 }
 
-/// How an abandoned attempt is drained, and who counts it.
+/// How an abandoned attempt is drained, who counts it, and what ends it if
+/// the caller drops the call.
 struct DrainWith<F> {
     drainer: Drainer<F>,
     metrics: RetryMetrics,
+    cancel: Option<CancellationToken>,
 }
 
 impl<F> DrainWith<F> {
     /// Drains `future`, the attempt of a call with `deadline`.
     fn hand(&self, future: Pin<Box<F>>, deadline: Option<Instant>) {
-        let metrics = self.metrics.clone();
-        (self.drainer)(future, Drain { deadline, metrics });
+        let drain = Drain {
+            deadline,
+            metrics: self.metrics.clone(),
+            cancel: self.cancel.clone(),
+        };
+        (self.drainer)(future, drain);
     }
 }
 
@@ -525,6 +546,12 @@ impl<S, B, Bu> AttemptFuture<S, B, Bu>
 where
     S: Service<Request<B>>,
 {
+    /// Whether the attempt has been sent (it is no longer waiting for its
+    /// service to be ready).
+    pub(crate) fn is_sent(&self) -> bool {
+        !matches!(self.state, State::Readying { .. })
+    }
+
     /// The call no longer needs this attempt (another one of its hedges
     /// committed): if it is sent and its stream open, it is drained rather
     /// than reset; otherwise it is simply dropped after this. Whether it was

@@ -16,7 +16,8 @@
 //! body; and by [`MAX_DRAINING`] attempts at once per layer. Past a bound,
 //! or with no tokio runtime to run the task on, the attempt is dropped and
 //! its stream reset, as before. A call the *caller* drops is not drained:
-//! its attempts are cancelled at once, as the caller asked.
+//! its attempts are cancelled at once, as the caller asked, and so are those
+//! of its attempts already being drained (cut by their own timeout).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,6 +28,7 @@ use http::Response;
 use http_body::Body;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::metrics::{Event, RetryMetrics};
 
@@ -51,6 +53,9 @@ pub(crate) struct Drain {
     /// The call's deadline, if it has one.
     pub(crate) deadline: Option<Instant>,
     pub(crate) metrics: RetryMetrics,
+    /// Cancelled if the caller drops the call before it ends: the attempt is
+    /// then dropped (reset) at once, as the call's other attempts are.
+    pub(crate) cancel: Option<CancellationToken>,
 }
 
 /// The [`Drainer`] for services whose futures and response bodies can be
@@ -60,7 +65,11 @@ where
     F: Future<Output = Result<Response<RB>, E>> + Send + 'static,
     RB: Body + Send + 'static,
 {
-    let Drain { deadline, metrics } = drain;
+    let Drain {
+        deadline,
+        metrics,
+        cancel,
+    } = drain;
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         metrics.record(Event::DrainRefused);
         return;
@@ -79,6 +88,7 @@ where
         body: None,
         left: DRAIN_BYTES,
         timer: tokio::time::sleep_until(until),
+        cancelled: cancel.map(CancellationToken::cancelled_owned),
         permit: Permit {
             metrics,
             ended: false,
@@ -115,6 +125,9 @@ pin_project! {
         left: usize,
         #[pin]
         timer: Sleep,
+        // The caller dropped the call.
+        #[pin]
+        cancelled: Option<WaitForCancellationFutureOwned>,
         permit: Permit,
     }
 }
@@ -130,6 +143,12 @@ where
         let this = self.project();
         if this.timer.poll(cx).is_ready() {
             // Out of time: dropped, and so reset.
+            return Poll::Ready(());
+        }
+        if let Some(cancelled) = this.cancelled.as_pin_mut()
+            && cancelled.poll(cx).is_ready()
+        {
+            // The caller dropped the call: dropped, and so reset.
             return Poll::Ready(());
         }
         if let Some(future) = this.future.as_mut() {
@@ -208,6 +227,7 @@ mod tests {
         let drain = Drain {
             deadline,
             metrics: metrics.clone(),
+            cancel: None,
         };
         spawn(Box::pin(future), drain);
         metrics
@@ -286,11 +306,29 @@ mod tests {
             let drain = Drain {
                 deadline: None,
                 metrics: metrics.clone(),
+                cancel: None,
             };
             spawn(Box::pin(never()), drain);
         }
         assert_eq!(metrics.draining(), MAX_DRAINING);
         assert_eq!(metrics.drain_refused(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_ends_when_its_call_is_cancelled() {
+        let metrics = RetryMetrics::default();
+        let cancel = CancellationToken::new();
+        let drain = Drain {
+            deadline: None,
+            metrics: metrics.clone(),
+            cancel: Some(cancel.clone()),
+        };
+        spawn(Box::pin(never()), drain);
+        settle().await;
+        assert_eq!(metrics.draining(), 1);
+        cancel.cancel();
+        settle().await;
+        assert_eq!((metrics.draining(), metrics.drain_cut()), (0, 1));
     }
 
     #[test]

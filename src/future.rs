@@ -8,6 +8,7 @@ use std::task::{Context, Poll, ready};
 use crate::budget::Budget;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
+use tokio_util::sync::DropGuard;
 use tower_service::Service;
 
 use crate::attempt::Attempt;
@@ -24,7 +25,8 @@ pin_project! {
     /// Response future of [`RetryService`](crate::RetryService).
     ///
     /// Dropping it cancels the attempt in flight, or the backoff wait between
-    /// attempts; nothing is left running.
+    /// attempts, and ends the drains of attempts cut by their own timeout;
+    /// nothing is left running.
     // NOTE: the bounds are those the type of `inner` needs (tower's retry
     // future names its service's future); none is on `S::Error`, so a call
     // can be spawned whatever the inner service's error type.
@@ -41,6 +43,9 @@ pin_project! {
         inner: Retrying<S, B, Bu>,
         // The call's end, for its metrics.
         end: CallEnd,
+        // Cancels the drains of the call's abandoned attempts if it is
+        // dropped before its answer.
+        cancel: Option<DropGuard>,
         _error: PhantomData<fn() -> S::Error>,
     }
 }
@@ -51,10 +56,11 @@ where
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
 {
-    pub(crate) fn new(inner: Retrying<S, B, Bu>, end: CallEnd) -> Self {
+    pub(crate) fn new(inner: Retrying<S, B, Bu>, end: CallEnd, cancel: Option<DropGuard>) -> Self {
         Self {
             inner,
             end,
+            cancel,
             _error: PhantomData,
         }
     }
@@ -77,6 +83,10 @@ where
             Err(failure) => failure_response(&failure, 1),
         };
         this.end.ready(&mut response);
+        // The call has its answer: attempts it abandoned drain to their end.
+        if let Some(cancel) = this.cancel.take() {
+            cancel.disarm();
+        }
         Poll::Ready(Ok(response))
     }
 }

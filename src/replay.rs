@@ -112,6 +112,26 @@ struct Shared<B> {
     picked: Option<HeaderValue>,
     /// A hedged call's attempts 1 to 5: the epoch each was sent as.
     hedge_epochs: [u32; 5],
+    /// For a hedged call: reads the caller's body, so that a hedge due
+    /// before the first attempt has read it can read it ahead (proven where
+    /// the layer's service is made, as the service's other conversions).
+    pull: Option<Pull<B>>,
+    /// A chunk read ahead went past a replay limit: kept for the attempts
+    /// sent, which have yet to send it, and no other attempt may be sent.
+    over: bool,
+}
+
+/// Polls the caller's body for its next frame, its error boxed.
+type Pull<B> = fn(&mut B, &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>;
+
+fn pull<B>(body: &mut B, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    Pin::new(body)
+        .poll_frame(cx)
+        .map(|frame| frame.map(|frame| frame.map_err(Into::into)))
 }
 
 /// Which limit a body outgrew.
@@ -275,6 +295,18 @@ impl<B: Body> ReplayBody<B> {
         Self::with_state(body, limit, capped, fits, false, memory)
     }
 
+    /// As [`sharing`](Self::sharing), for a hedged call: a hedge due before
+    /// the first attempt has read the body may read it ahead.
+    pub(crate) fn hedged(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let body = Self::sharing(body, limit, memory);
+        body.lock().pull = Some(pull::<B>);
+        body
+    }
+
     /// Wraps `body` for a call that will never be retried: nothing is copied.
     pub(crate) fn unreplayable(body: B) -> Self {
         Self::with_state(body, 0, false, false, true, None)
@@ -312,6 +344,8 @@ impl<B: Body> ReplayBody<B> {
                 waiting: Vec::new(),
                 picked: None,
                 hedge_epochs: [UNSENT; 5],
+                pull: None,
+                over: false,
             })),
             pos: 0,
             trailers_sent: false,
@@ -452,25 +486,74 @@ impl<B> ReplayBody<B> {
     /// attempts before it: `true` once the caller's body has been read to its
     /// end with a copy of all of it kept, or when its size is known and
     /// within the limit (so its copy can never be dropped); `false` once it
-    /// cannot be, or
-    /// once the caller's body has answered `Pending` (it is not all there:
-    /// a streaming body is not hedged, and nothing waits for it). Pending
-    /// while the first attempt has yet to read a body that has not stalled,
-    /// woken as it reads: a unary body the attempt is about to send is
-    /// hedged, even with no delay.
-    pub(crate) fn poll_hedgeable(&self, cx: &Context<'_>) -> Poll<bool> {
-        let mut shared = self.lock();
+    /// cannot be, or once the caller's body has answered `Pending` (it is not
+    /// all there: a streaming body is not hedged, and nothing waits for it).
+    ///
+    /// Until then, with `ahead` (every attempt started has been sent), the
+    /// body is read ahead of the attempts into the copy, which they replay:
+    /// a first attempt slow to read its body (its connection full, or still
+    /// being made) does not hold back the hedge of a body that is all there.
+    /// Without it, Pending while the first attempt reads, woken as it does.
+    pub(crate) fn poll_hedgeable(&self, cx: &mut Context<'_>, ahead: bool) -> Poll<bool> {
+        let mut guard = self.lock();
+        let shared = &mut *guard;
         if shared.replay_state().is_err() {
             return Poll::Ready(false);
         }
         if shared.ended || shared.fits {
             return Poll::Ready(true);
         }
-        if shared.stalled || shared.failed || shared.source.is_none() {
+        if shared.stalled || shared.failed {
             return Poll::Ready(false);
         }
-        shared.wait(cx);
-        Poll::Pending
+        let (Some(pull), true) = (shared.pull, ahead) else {
+            if shared.source.is_none() {
+                return Poll::Ready(false);
+            }
+            shared.wait(cx);
+            return Poll::Pending;
+        };
+        let hedgeable = loop {
+            let Some(source) = shared.source.as_mut() else {
+                break false;
+            };
+            match pull(source, cx) {
+                Poll::Pending => {
+                    shared.stalled = true;
+                    break false;
+                }
+                Poll::Ready(None) => {
+                    shared.ended = true;
+                    shared.source = None;
+                    break true;
+                }
+                Poll::Ready(Some(Err(_))) => {
+                    // The attempts that read on get `SourceFailed`.
+                    shared.failed = true;
+                    shared.source = None;
+                    break false;
+                }
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(chunk) => {
+                        if !shared.keep_ahead(&chunk) {
+                            break false;
+                        }
+                    }
+                    Err(frame) => {
+                        // NOTE: http-body's frames are data or trailers.
+                        if let Ok(trailers) = frame.into_trailers() {
+                            shared.trailers = Some(trailers);
+                            shared.ended = true;
+                            shared.source = None;
+                        }
+                        break shared.ended;
+                    }
+                },
+            }
+        };
+        // The attempts waiting for the body have more of it.
+        shared.wake_waiting();
+        Poll::Ready(hedgeable)
     }
 }
 
@@ -496,7 +579,7 @@ impl<B: Send> PickSlot for Mutex<Shared<B>> {
 
 impl<B> Shared<B> {
     fn replay_state(&self) -> Result<(), ReplayError> {
-        if self.capped {
+        if self.capped || self.over {
             return Err(self.cap_error());
         }
         if self.failed {
@@ -576,6 +659,31 @@ impl<B> Shared<B> {
             // The last reader has the whole copy now; nobody else will.
             self.drop_copy();
         }
+    }
+
+    /// Keeps a chunk read ahead of the attempts, which have yet to send it:
+    /// kept even past a limit (then `over`, and no other attempt may be
+    /// sent). Whether it was within the limits.
+    fn keep_ahead(&mut self, chunk: &Bytes) -> bool {
+        self.read += 1;
+        self.bytes = self.bytes.saturating_add(chunk.len());
+        let within = if self.bytes > self.limit {
+            self.cap = Cap::Call;
+            false
+        } else if let Some(memory) = &self.memory {
+            let reserved = memory.try_reserve(chunk.len());
+            if reserved {
+                self.reserved += chunk.len();
+            } else {
+                self.cap = Cap::Layer;
+            }
+            reserved
+        } else {
+            true
+        };
+        self.over |= !within;
+        self.chunks.push(chunk.clone());
+        within
     }
 
     fn keep(&mut self, chunk: &Bytes) {

@@ -275,8 +275,12 @@ where
         let tried = callers_mark(&mut parts, already_tried);
 
         let body = if policy.max_attempts > 1 {
-            let memory = Arc::clone(&self.shared.replay_memory);
-            ReplayBody::sharing(body, policy.replay_limit, Some(memory))
+            let memory = Some(Arc::clone(&self.shared.replay_memory));
+            if policy.hedge.is_some() {
+                ReplayBody::hedged(body, policy.replay_limit, memory)
+            } else {
+                ReplayBody::sharing(body, policy.replay_limit, memory)
+            }
         } else {
             ReplayBody::unreplayable(body)
         };
@@ -306,7 +310,12 @@ where
         // retried call's future stays as small and cheap as before.
         let hedged = policy.hedge.is_some();
         let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried, hedged);
-        ResponseFuture::new(Retry::new(call, attempt).call(req), CallEnd::new(trace))
+        let cancel = attempt.cancel_on_drop();
+        ResponseFuture::new(
+            Retry::new(call, attempt).call(req),
+            CallEnd::new(trace),
+            cancel,
+        )
     }
 }
 

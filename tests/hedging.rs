@@ -516,6 +516,27 @@ async fn an_attempt_cut_by_its_timeout_is_drained_not_reset() {
     assert_eq!((m.draining(), m.drained(), m.retries()), (0, 1, 1));
 }
 
+/// A retried call the caller drops while its cut attempt drains ends that
+/// drain too: nothing of a dropped call is left running.
+#[tokio::test(start_paused = true)]
+async fn dropping_a_retried_call_ends_the_drain_of_its_cut_attempt() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let mut s = hedged(policy, budget());
+    let call = start(&mut s, with_timeout(request(), "5S")).await;
+    let (_, _slow, _) = arrives(&mut s.handle).await;
+    let (_, _retry, _) = arrives(&mut s.handle).await;
+    assert_eq!(s.layer.metrics().draining(), 1, "the cut attempt drains");
+    call.abort();
+    let _ = call.await;
+    settle().await;
+    assert!(dropped(&s, 1), "the retry in flight is cancelled");
+    assert!(dropped(&s, 0), "and so is the drain of the cut attempt");
+    let m = s.layer.metrics();
+    assert_eq!((m.draining(), m.drained(), m.drain_cut()), (0, 0, 1));
+}
+
 /// An attempt cut by the call's deadline is reset at once: the server's own
 /// timer (and tonic's Channel's) end it there anyway, and the caller is done.
 #[tokio::test(start_paused = true)]
@@ -912,22 +933,323 @@ async fn a_per_attempt_timeout_does_not_kill_the_hedge_in_flight() {
 }
 
 /// With no delay the hedge is due before the first attempt has read the body
-/// (tonic's unary body has no known size): it goes as soon as that attempt
-/// has read the body through without the body ever stalling.
+/// (tonic's unary body has no known size): the body, all there, is read
+/// ahead, and both attempts go at once and send it whole.
 #[tokio::test(start_paused = true)]
-async fn a_zero_delay_hedges_a_body_once_the_first_attempt_has_read_it_through() {
+async fn a_zero_delay_hedges_a_complete_body_at_once() {
     let mut s = hedged(policy(2, 0), budget());
     let (tx, req) = streaming_request();
     tx.send(data("whole")).unwrap();
     drop(tx);
+    let t0 = Instant::now();
     let call = start(&mut s, req).await;
     let (r1, a1, _) = arrives(&mut s.handle).await;
-    settle().await;
-    assert!(nothing_more(&mut s.handle), "the body is not read yet");
-    let first = r1.into_body().collect().await.unwrap().to_bytes();
-    let (r2, _a2, _) = arrives(&mut s.handle).await;
-    assert_eq!(first, "whole");
+    let (r2, _a2, at2) = arrives(&mut s.handle).await;
+    assert_eq!(at2, t0, "at once");
+    assert_eq!(r1.into_body().collect().await.unwrap().to_bytes(), "whole");
     assert_eq!(r2.into_body().collect().await.unwrap().to_bytes(), "whole");
     a1.send_response(ok());
     assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+/// The default 5 % cap: 5 hedges saved up at the start.
+fn capped(attempts: u32, delay_ms: u64) -> HedgePolicy {
+    HedgePolicy::new(attempts, Duration::from_millis(delay_ms)).unwrap()
+}
+
+/// Whether a call whose every attempt the service takes at once is hedged.
+async fn next_call_hedges(s: &mut Setup) -> bool {
+    s.handle.allow(u64::MAX);
+    let call = start(s, request()).await;
+    let (_, a1, _) = next(&mut s.handle).await;
+    tokio::time::sleep(20 * MS).await;
+    let hedge = s.handle.next_request().now_or_never();
+    let hedged = matches!(hedge, Some(Some(_)));
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+    hedged
+}
+
+/// The extra-load cap counts hedges sent: a hedge still waiting for its
+/// service when another attempt commits gives its place back.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_that_loses_while_waiting_gives_its_cap_place_back() {
+    let mut s = hedged(capped(2, 10), budget());
+    for _ in 0..6 {
+        s.handle.allow(1);
+        let call = start(&mut s, request()).await;
+        let (_, a1, _) = next(&mut s.handle).await;
+        tokio::time::sleep(20 * MS).await; // hedge due at 10 ms, not ready
+        assert!(nothing_more(&mut s.handle));
+        a1.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(s.layer.metrics().hedges(), 0);
+    assert!(next_call_hedges(&mut s).await, "0 hedges in 7 calls");
+}
+
+/// So does one still waiting when the caller drops the call.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_call_gives_back_the_cap_places_of_hedges_never_sent() {
+    let mut s = hedged(capped(2, 10), budget());
+    for _ in 0..6 {
+        s.handle.allow(1);
+        let call = start(&mut s, request()).await;
+        let (_, _a1, _) = next(&mut s.handle).await;
+        tokio::time::sleep(20 * MS).await; // hedge due at 10 ms, not ready
+        assert!(nothing_more(&mut s.handle));
+        call.abort();
+        let _ = call.await;
+    }
+    assert_eq!(s.layer.metrics().hedges(), 0, "not one hedge was sent");
+    assert!(
+        next_call_hedges(&mut s).await,
+        "0 hedges sent in 7 calls under a 5 % cap with 5 saved up: the 7th call is hedged"
+    );
+}
+
+/// And one still waiting when the call's deadline ends it.
+#[tokio::test(start_paused = true)]
+async fn a_call_ended_by_its_deadline_gives_back_the_cap_places_of_hedges_never_sent() {
+    let mut s = hedged(capped(2, 10), budget());
+    for _ in 0..6 {
+        s.handle.allow(1);
+        let call = start(&mut s, with_timeout(request(), "100m")).await;
+        let (_, _a1, _) = next(&mut s.handle).await;
+        let r = call.await.unwrap().unwrap();
+        assert_eq!(code_of(&r), Code::DeadlineExceeded);
+    }
+    assert_eq!(s.layer.metrics().hedges(), 0, "not one hedge was sent");
+    assert!(
+        next_call_hedges(&mut s).await,
+        "0 hedges sent in 7 calls under a 5 % cap with 5 saved up: the 7th call is hedged"
+    );
+}
+
+/// An attempt cut by its own timeout is drained while its call goes on; if
+/// the caller then drops the call, the drain ends with it (§8: dropping the
+/// call leaves nothing running).
+#[tokio::test(start_paused = true)]
+async fn dropping_the_call_ends_the_drain_of_its_timed_out_attempt() {
+    let p = policy(2, 100).with_settings_of(&RetryPolicy::default().with_attempt_timeout(50 * MS));
+    let mut s = hedged(p, budget());
+    let call = start(&mut s, with_timeout(request(), "10S")).await;
+    let (_, _a1, _) = next(&mut s.handle).await; // cut at 50 ms, drained
+    let (_, _a2, at2) = next(&mut s.handle).await; // sent at once (non-fatal)
+    assert!(at2 - Instant::now() <= Duration::ZERO);
+    tokio::time::sleep(10 * MS).await;
+    call.abort();
+    let _ = call.await;
+    settle().await;
+    assert!(dropped(&s, 1), "attempt 2 cancelled");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    settle().await;
+    assert!(
+        dropped(&s, 0),
+        "attempt 1 ends with the call the caller dropped (draining: {})",
+        s.layer.metrics().draining()
+    );
+}
+
+/// A call whose first attempt fails UNAVAILABLE and whose next attempt waits
+/// for a service that never becomes ready: its code, when it ended, and its
+/// pushback.
+async fn ends_at_deadline_with_service_saturated(
+    policy: RetryPolicy,
+) -> (Code, Duration, Option<String>) {
+    let mut s = hedged(policy, budget());
+    s.handle.allow(1);
+    let t0 = Instant::now();
+    let call = start(&mut s, with_timeout(request(), "200m")).await;
+    let (_, a1, _) = next(&mut s.handle).await;
+    tokio::time::sleep(5 * MS).await;
+    a1.send_response(status(Code::Unavailable));
+    let r = call.await.unwrap().unwrap();
+    let pushback = r
+        .headers()
+        .get("grpc-retry-pushback-ms")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (code_of(&r), Instant::now() - t0, pushback)
+}
+
+/// §3a, §13: a hedge waiting for a saturated service ends the call at its
+/// deadline with DEADLINE_EXCEEDED, as a retry does.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_held_by_a_saturated_service_ends_deadline_exceeded() {
+    let retry = RetryPolicy::new(3, 10 * MS, 10 * MS, 0.0).unwrap();
+    let (code, took, _) = ends_at_deadline_with_service_saturated(retry).await;
+    assert_eq!(
+        (code, took),
+        (Code::DeadlineExceeded, 200 * MS),
+        "retry control"
+    );
+    let (code, took, pushback) =
+        ends_at_deadline_with_service_saturated(policy(3, 10).into()).await;
+    assert_eq!(
+        (code, took),
+        (Code::DeadlineExceeded, 200 * MS),
+        "hedged call ended at its deadline with {code:?} (pushback {pushback:?})"
+    );
+}
+
+/// §11, §13: a call that hedged and then ran out of time goes up marked "do
+/// not retry", as a retried one does.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_that_runs_out_of_time_after_hedging_is_marked() {
+    // Retry control: attempt 1 UNAVAILABLE, the retry never answers.
+    let mut s = hedged(
+        RetryPolicy::new(3, 10 * MS, 10 * MS, 0.0).unwrap(),
+        budget(),
+    );
+    let call = start(&mut s, with_timeout(request(), "100m")).await;
+    let (_, a1, _) = next(&mut s.handle).await;
+    a1.send_response(status(Code::Unavailable));
+    let (_, _a2, _) = next(&mut s.handle).await;
+    let r = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&r), Code::DeadlineExceeded);
+    assert_eq!(
+        r.headers()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().unwrap()),
+        Some("-1"),
+        "retry control"
+    );
+
+    // Hedged: 3 attempts sent, none answers before the deadline.
+    let mut s = hedged(policy(3, 30), budget());
+    let call = start(&mut s, with_timeout(request(), "100m")).await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(next(&mut s.handle).await);
+    }
+    let r = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&r), Code::DeadlineExceeded);
+    assert_eq!(s.layer.metrics().hedges(), 2);
+    assert_eq!(
+        r.headers()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().unwrap()),
+        Some("-1"),
+        "3 attempts sent: a layer above must not retry the call again"
+    );
+}
+
+/// §13: a server's pushback delays the next hedge to n ms from then; a later
+/// non-fatal answer without pushback does not cut the server's delay short.
+#[tokio::test(start_paused = true)]
+async fn a_later_answer_without_pushback_does_not_cancel_the_servers_delay() {
+    let mut s = hedged(policy(4, 100), budget());
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    let (_, a1, _) = next(&mut s.handle).await;
+    let (_, a2, _) = next(&mut s.handle).await; // 100 ms
+    tokio::time::sleep(10 * MS).await;
+    let mut pushed = status(Code::Unavailable);
+    pushed
+        .headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("1000"));
+    a1.send_response(pushed); // 110 ms: next hedge at 1110 ms
+    tokio::time::sleep(10 * MS).await;
+    a2.send_response(status(Code::Unavailable)); // 120 ms
+    let (_, a3, at3) = next(&mut s.handle).await;
+    a3.send_response(ok());
+    call.await.unwrap().unwrap();
+    assert!(
+        at3 - t0 >= 1110 * MS,
+        "server asked for 1000 ms at 110 ms; hedge 3 sent at {:?}",
+        at3 - t0
+    );
+}
+
+/// §13: the adaptive delay is the percentile of the method's latencies:
+/// every attempt takes 8.2 ms, so p95 is 8.2 ms (the bucket it falls in
+/// reaches 10.2 ms), and the hedge goes at the next whole millisecond.
+#[tokio::test(start_paused = true)]
+async fn the_adaptive_delay_is_the_methods_percentile_not_its_buckets_top() {
+    let adaptive = policy(2, 50)
+        .with_adaptive_delay(0.95, Duration::from_secs(10), Duration::from_millis(1))
+        .unwrap();
+    let mut s = hedged(adaptive, RetryBudget::new(1000, 1.0).unwrap());
+    for _ in 0..150 {
+        let call = start(&mut s, request()).await;
+        let (_, send, _) = next(&mut s.handle).await;
+        tokio::time::sleep(Duration::from_micros(8200)).await;
+        send.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let t0 = Instant::now();
+    let call = start(&mut s, request()).await;
+    let (_, _slow, _) = next(&mut s.handle).await;
+    let (_, hedge, at) = next(&mut s.handle).await;
+    hedge.send_response(ok());
+    call.await.unwrap().unwrap();
+    let after = at - t0;
+    assert!(
+        after <= 9 * MS,
+        "p95 of 150 latencies all 8.2 ms; hedged after {after:?}"
+    );
+}
+
+/// A complete body with no size hint (as tonic's unary bodies have), which
+/// the first attempt has not read yet.
+fn unsized_request(message: &'static [u8]) -> Request<Body> {
+    let frames = [Ok::<_, tonic::Status>(http_body::Frame::data(
+        bytes::Bytes::from_static(message),
+    ))];
+    let mut req = request();
+    *req.body_mut() = Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)));
+    req
+}
+
+/// §13: "when an attempt is slow, send another copy". A first attempt slow
+/// before it reads its body (its connection full, or still being made)
+/// does not hold back the hedge of a body that is all there: the body is
+/// read ahead, and both attempts send it whole.
+#[tokio::test(start_paused = true)]
+async fn a_first_attempt_that_has_not_read_a_complete_body_does_not_hold_back_the_hedge() {
+    let mut s = hedged(policy(2, 10), budget());
+    let t0 = Instant::now();
+    let call = start(
+        &mut s,
+        with_timeout(unsized_request(b"\0\0\0\0\x05hello"), "1S"),
+    )
+    .await;
+    let (r1, _a1, _) = arrives(&mut s.handle).await; // its body not read yet
+    let (r2, a2, at2) = arrives(&mut s.handle).await;
+    assert_eq!(at2 - t0, 10 * MS, "the hedge goes at its delay");
+    let whole = &b"\0\0\0\0\x05hello"[..];
+    assert_eq!(r2.into_body().collect().await.unwrap().to_bytes(), whole);
+    assert_eq!(
+        r1.into_body().collect().await.unwrap().to_bytes(),
+        whole,
+        "the first attempt sends what was read ahead for it"
+    );
+    a2.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(s.layer.metrics().hedges(), 1);
+}
+
+/// A body read ahead that turns out larger than the replay limit is not
+/// hedged, and the first attempt still sends all of it.
+#[tokio::test(start_paused = true)]
+async fn a_body_read_ahead_past_the_replay_limit_is_not_hedged_and_is_sent_whole() {
+    let small = policy(2, 10).with_settings_of(&RetryPolicy::default().with_replay_limit(4));
+    let mut s = hedged(small, budget());
+    let call = start(
+        &mut s,
+        with_timeout(unsized_request(b"\0\0\0\0\x05hello"), "1S"),
+    )
+    .await;
+    let (r1, a1, _) = arrives(&mut s.handle).await;
+    tokio::time::sleep(50 * MS).await;
+    assert!(nothing_more(&mut s.handle), "over the limit: no hedge");
+    assert_eq!(
+        r1.into_body().collect().await.unwrap().to_bytes(),
+        &b"\0\0\0\0\x05hello"[..],
+        "nothing read ahead is lost"
+    );
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(s.layer.metrics().hedges(), 0);
 }

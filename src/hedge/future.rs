@@ -77,6 +77,9 @@ pin_project! {
         timer: Option<Pin<Box<Sleep>>>,
         // A hedge is due now (the first attempt, or after a non-fatal answer).
         due: bool,
+        // The timer is a server's pushback: an answer without one does not
+        // cut it short.
+        pushed: bool,
         // Attempts started.
         started: u32,
         // Attempts that reached the inner service.
@@ -96,6 +99,23 @@ pin_project! {
         refused: bool,
         // With an adaptive delay: the latencies of the call's method.
         latencies: Option<Arc<Latencies>>,
+    }
+
+    impl<S, B, Bu> PinnedDrop for HedgeFuture<S, B, Bu>
+    where
+        S: Service<Request<B>>,
+    {
+        fn drop(this: Pin<&mut Self>) {
+            // The caller dropped the call: hedges still waiting for their
+            // service were never sent, and give their places under the
+            // extra-load cap back. (A call that ended has none in flight.)
+            let this = this.project();
+            if let Some(plan) = this.shared.policies.get(*this.policy).hedge.as_deref() {
+                for attempt in this.inflight.iter().filter(|a| !a.future.is_sent()) {
+                    plan.never_sent(attempt.number);
+                }
+            }
+        }
     }
 }
 
@@ -128,6 +148,7 @@ where
             inflight: Vec::new(),
             timer: None,
             due: true,
+            pushed: false,
             started: 0,
             sent: 0,
             frozen: false,
@@ -230,9 +251,17 @@ where
                                 }
                                 *this.timer = Some(Box::pin(tokio::time::sleep_until(at)));
                                 *this.due = false;
+                                *this.pushed = true;
                             }
-                            // A6: a non-fatal answer sends the next hedge now.
-                            _ => *this.due = true,
+                            // A server asked for the next attempt now.
+                            Some(_) => {
+                                *this.pushed = false;
+                                *this.due = true;
+                            }
+                            // A6: a non-fatal answer sends the next hedge now,
+                            // unless a server's pushback is still running: the
+                            // server's word on when stands.
+                            None => *this.due |= !*this.pushed,
                         }
                     }
                     Judged::Unsent(failure) => {
@@ -247,13 +276,22 @@ where
                     }
                     Judged::Deadline => {
                         for mut other in this.inflight.drain(..) {
+                            if other.future.is_sent() {
+                                *this.sent += 1;
+                            } else {
+                                plan.never_sent(other.number);
+                            }
                             other.future.as_mut().out_of_time();
                         }
                         *this.template = None;
-                        return Poll::Ready(status_response(
+                        let mut response = status_response(
                             Code::DeadlineExceeded,
                             "call deadline exceeded while its hedged attempts were in flight",
-                        ));
+                        );
+                        if gives_up_marked(policy, *this.sent, *this.refused) {
+                            mark_given_up(&mut response, &this.shared.metrics);
+                        }
+                        return Poll::Ready(response);
                     }
                 }
             }
@@ -265,11 +303,16 @@ where
             {
                 *this.timer = None;
                 *this.due = true;
+                *this.pushed = false;
             }
 
             // Send the next attempt, if one is due and may go.
             if *this.due && !*this.frozen && *this.started < policy.max_attempts {
-                match may_hedge(this.template, *this.started, plan, cx) {
+                // The body is read ahead only once every attempt started is
+                // sent: one still waiting for its service must find the body
+                // sendable whole when it is ready.
+                let ahead = this.inflight.iter().all(|a| a.future.is_sent());
+                match may_hedge(this.template, *this.started, plan, (cx, ahead)) {
                     May::Send => {
                         let template = this.template.as_ref().expect("checked by may_hedge");
                         let request = next_request(
@@ -299,6 +342,7 @@ where
                         // still wait for the timer's next tick.
                         let delay = plan.delay_now(this.latencies.as_deref());
                         *this.due = delay.is_zero();
+                        *this.pushed = false;
                         *this.timer =
                             (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)));
                         progressed = true;
@@ -318,7 +362,7 @@ where
                     && this
                         .template
                         .as_ref()
-                        .is_some_and(|t| t.body().poll_hedgeable(cx) == Poll::Ready(true));
+                        .is_some_and(|t| t.body().poll_hedgeable(cx, true) == Poll::Ready(true));
                 if !more {
                     *this.template = None;
                     let unsent = this.unsent.take();
@@ -358,7 +402,7 @@ fn may_hedge<B>(
     template: &Option<Request<ReplayBody<B>>>,
     started: u32,
     plan: &crate::hedge::HedgePlan,
-    cx: &Context<'_>,
+    (cx, ahead): (&mut Context<'_>, bool),
 ) -> May {
     let Some(template) = template else {
         return May::NotTheBody;
@@ -370,7 +414,7 @@ fn may_hedge<B>(
         }
         return May::Send;
     }
-    match template.body().poll_hedgeable(cx) {
+    match template.body().poll_hedgeable(cx, ahead) {
         Poll::Pending => return May::Wait,
         Poll::Ready(false) => return May::NotTheBody,
         Poll::Ready(true) => {}
@@ -568,7 +612,32 @@ fn give_up<RB, Bu>(
     policy: &RetryPolicy,
     shared: &Shared<Bu>,
 ) -> Response<ResponseBody<RB>> {
+    // The deadline left no time for the next attempt: the call ends
+    // DEADLINE_EXCEEDED, naming how the last one ended, as a retried call
+    // does (§3, §3a).
+    let out_of_time = matches!(
+        unsent,
+        Some(Failure::Cut {
+            why: Cut::Deadline,
+            ..
+        })
+    );
     let mut response = match last {
+        Some(last) if out_of_time => {
+            let code = match &last {
+                Last::Response { status, headers } => {
+                    classify_response(*status, headers, Default::default()).code()
+                }
+                Last::Status { code, .. } => *code,
+            };
+            status_response(
+                Code::DeadlineExceeded,
+                format!(
+                    "no time left for another attempt; attempt {sent} ended with {}",
+                    code_name(code)
+                ),
+            )
+        }
         Some(Last::Response {
             status,
             mut headers,
@@ -589,8 +658,15 @@ fn give_up<RB, Bu>(
             None => status_response(Code::Unavailable, "no attempt of the call could be sent"),
         },
     };
-    if policy.retry_at_one_layer && (sent > 1 || (sent > 0 && refused)) {
+    if gives_up_marked(policy, sent, refused) {
         mark_given_up(&mut response, &shared.metrics);
     }
     response
+}
+
+/// Whether a hedged call that ends failed with `sent` attempts sent is
+/// marked "do not retry" for the layers above (§11): it hedged, or a hedge
+/// was refused by the budget, the cap or the time left after an attempt was.
+fn gives_up_marked(policy: &RetryPolicy, sent: u32, refused: bool) -> bool {
+    policy.retry_at_one_layer && (sent > 1 || (sent > 0 && refused))
 }
