@@ -114,6 +114,11 @@ impl<B> ResponseBody<B> {
     }
 
     /// The inner service's body, or `None` for a status the layer answered.
+    ///
+    /// What the layer does for the body ends here: it is no longer cut at the
+    /// call's deadline, an `OK` in its trailers refills no budget, and the
+    /// call's standard metrics (feature `opentelemetry`) end now, as
+    /// `CANCELLED`. Read the body through this type to keep them.
     pub fn into_inner(self) -> Option<B> {
         self.inner
     }

@@ -30,7 +30,7 @@ use crate::metrics::{Event, RetryMetrics};
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
-use crate::status::{GRPC_RETRY_PUSHBACK, code_name, status_response};
+use crate::status::{GRPC_RETRY_PUSHBACK, as_grpc_status, code_name, status_response};
 
 /// One call's policy, cloned by `Retry` into the call's future: what every
 /// call shares, and this call's own state.
@@ -319,9 +319,11 @@ impl CallState {
                 mut headers,
             } => {
                 repair_status_details(&mut headers);
+                let code = classify_response(status, &headers, Default::default()).code();
                 let mut response = Response::new(ResponseBody::empty());
                 *response.status_mut() = status;
                 *response.headers_mut() = headers;
+                as_grpc_status(&mut response, code);
                 response
             }
             Last::Status { code, message } => status_response(code, message),
@@ -587,10 +589,10 @@ where
                         .credit_on_ok(Arc::clone(&self.shared) as Arc<dyn Credit>);
                 }
             }
-            Decision::Done(_) => finish(result, state),
+            Decision::Done(_) => finish(result, state, verdict.code()),
             Decision::Throttled => {
                 metrics.record(Event::RefusedByBudget);
-                finish(result, state);
+                finish(result, state, verdict.code());
             }
             Decision::NoTime { left, .. } => {
                 metrics.record(Event::RefusedByDeadline);
@@ -680,10 +682,15 @@ pub(crate) fn mark_given_up<RB>(response: &mut Response<ResponseBody<RB>>, metri
 
 /// Last touches on an outcome handed to the caller as it is (a committed
 /// response needs none: its status comes in trailers, repaired by its body).
-fn finish<RB>(result: &mut Result<Response<ResponseBody<RB>>, Failure>, state: &CallState) {
+fn finish<RB>(
+    result: &mut Result<Response<ResponseBody<RB>>, Failure>,
+    state: &CallState,
+    code: Code,
+) {
     match result {
         Ok(response) => {
             repair_status_details(response.headers_mut());
+            as_grpc_status(response, code);
         }
         // An attempt cut before it was sent answered nothing: say what the
         // last one sent did.

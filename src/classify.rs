@@ -169,7 +169,7 @@ fn without_metadata(code: Code, retryable: RetryableCodes) -> Verdict {
 
 /// Whether the response says it is gRPC: `application/grpc`, alone or
 /// followed by `+` (a subtype) or `;` (parameters), as gRPC clients check it.
-fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
+pub(crate) fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
     const GRPC: &[u8] = b"application/grpc";
     content_type.is_some_and(|value| {
         let value = value.as_bytes();

@@ -163,7 +163,11 @@ impl<Bu, B> RetryLayer<Bu, B> {
     /// Records gRPC's standard client metrics (gRFC A66 and A96) for every
     /// call through the layer, as [`GrpcMetrics`](crate::otel::GrpcMetrics)
     /// says (feature `opentelemetry`). The first metrics given to a layer
-    /// are kept; later ones are ignored.
+    /// are kept; later ones are ignored, with a warning event.
+    ///
+    /// Clones of a layer are one layer (they share its budget, its counters
+    /// and so these metrics, and its `grpc.target`): give the metrics before
+    /// cloning it, and build a layer of its own for each target.
     ///
     /// ```
     /// use opentelemetry::metrics::MeterProvider;
@@ -185,13 +189,19 @@ impl<Bu, B> RetryLayer<Bu, B> {
     where
         Bu: crate::budget::Budget,
     {
-        if self.shared.otel.get().is_none() {
-            let throttle = self.shared.budget.refusal_keeps_status();
-            let (otel, refusals) = metrics.build(throttle);
-            if self.shared.otel.set(Arc::new(otel)).is_ok() {
-                self.shared.metrics.export_refusals(refusals);
-                self.shared.budget_moved();
-            }
+        const IGNORED: &str =
+            "this layer (or a clone of it) records gRPC metrics already; these are ignored";
+        if self.shared.otel.get().is_some() {
+            tracing::warn!(?metrics, "{IGNORED}");
+            return self;
+        }
+        let throttle = self.shared.budget.refusal_keeps_status();
+        let (otel, refusals) = metrics.build(throttle);
+        if self.shared.otel.set(Arc::new(otel)).is_ok() {
+            self.shared.metrics.export_refusals(refusals);
+            self.shared.budget_moved();
+        } else {
+            tracing::warn!("{IGNORED}");
         }
         self
     }

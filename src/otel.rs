@@ -29,9 +29,18 @@
 //!   response at all (a refused stream, a connection refused or dropped
 //!   before any answer). `retry_delay` is the time the call had no attempt in
 //!   flight after its first (backoffs, server-given delays, waiting for a
-//!   ready service), recorded for calls that retried.
+//!   ready service), recorded for calls that retried or hedged.
 //! * `grpc.status` is the code's name as gRPC spells it (`OK`,
-//!   `UNAVAILABLE`, ...), read as tonic's client reads it.
+//!   `UNAVAILABLE`, ...), read as tonic's client reads it. An HTTP error or a
+//!   page that is not gRPC (a proxy's answer) is the status it maps to, as
+//!   the caller is given it (see the crate's "What is retried").
+//! * What only tonic's client sees is not seen here: a response it refuses
+//!   to decode (a message over its `max_decoding_message_size`, bad
+//!   protobuf, an unsupported `grpc-encoding`) makes it drop the body and
+//!   report `OUT_OF_RANGE`, `INTERNAL` or `UNIMPLEMENTED`, which the layer
+//!   cannot tell from a caller that stopped reading: such calls are recorded
+//!   `CANCELLED`. So is a call whose body is taken apart with
+//!   [`ResponseBody::into_inner`](crate::ResponseBody::into_inner).
 //! * `grpc.method` is bounded, as A66 asks: a method is named
 //!   (`package.Service/Method`) only if you list it
 //!   ([`with_methods`](GrpcMetrics::with_methods)) or let any well-formed
@@ -443,7 +452,7 @@ impl CallTrace {
         if hedges > 0 {
             o.hedges.record(hedges, attributes);
         }
-        if retries + transparent > 0 {
+        if retries + transparent + hedges > 0 {
             o.retry_delay.record(delay.as_secs_f64(), attributes);
         }
     }

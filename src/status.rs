@@ -50,17 +50,42 @@ pub(crate) fn code_for_http_status(status: StatusCode) -> Code {
     }
 }
 
-/// The code a response ends with as its headers already say, as tonic's
-/// client will read it: its `grpc-status` (a Trailers-Only answer), or the
-/// code of an HTTP status other than 200 when it has none. `None` for a
-/// response whose body's trailers will say.
+/// The code a response ends with as its headers already say: its
+/// `grpc-status` (a Trailers-Only answer) as tonic's client reads it, or, with
+/// none, the code an HTTP error or a page that is not gRPC maps to (the
+/// layer hands such an answer up as that status, see [`as_grpc_status`]).
+/// `None` for a gRPC response whose body's trailers will say.
 #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
 pub(crate) fn code_at_headers(status: StatusCode, headers: &HeaderMap) -> Option<Code> {
     match headers.get(GRPC_STATUS) {
         Some(code) => Some(code_as_tonic_reads(code, headers.get(GRPC_MESSAGE))),
-        None if status == StatusCode::OK => None,
-        None => Some(code_for_http_status(status)),
+        None if status != StatusCode::OK => Some(code_for_http_status(status)),
+        None if crate::classify::is_grpc(headers.get(http::header::CONTENT_TYPE)) => None,
+        None => Some(Code::Unknown),
     }
+}
+
+/// A response with no `grpc-status` that the caller is given as the end of
+/// its call (an HTTP error, or a page that is not gRPC: a proxy's answer,
+/// never committed) becomes the Trailers-Only status `code` it maps to (§1,
+/// §1a). Handed up as it is, tonic's client would read its body as gRPC
+/// messages and report `INTERNAL` whatever the HTTP status said.
+pub(crate) fn as_grpc_status<B: Default>(response: &mut Response<B>, code: Code) {
+    if response.headers().contains_key(GRPC_STATUS) {
+        return;
+    }
+    let message = match response.headers().get(http::header::CONTENT_TYPE) {
+        Some(kind) => format!(
+            "the server answered HTTP {} ({}) with no gRPC status",
+            response.status(),
+            String::from_utf8_lossy(kind.as_bytes())
+        ),
+        None => format!(
+            "the server answered HTTP {} with no gRPC status",
+            response.status()
+        ),
+    };
+    *response = status_response(code, message);
 }
 
 /// The canonical upper-case name of a code, as gRPC documents and logs it.

@@ -566,3 +566,114 @@ async fn hedges_in_flight_at_the_deadline_end_deadline_exceeded() {
         vec![("DEADLINE_EXCEEDED".to_owned(), 1)]
     );
 }
+
+/// A plain HTTP proxy's answer: an HTTP status, no `grpc-status`, an HTML
+/// page.
+fn html(status: u16) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "text/html")
+        .body(Body::new(http_body_util::Full::new(
+            bytes::Bytes::from_static(
+                b"<html><body><h1>503 Service Temporarily Unavailable</h1></body></html>",
+            ),
+        )))
+        .unwrap()
+}
+
+/// What tonic's client reports, and the call's recorded `grpc.status`, for
+/// a call whose one attempt a proxy answers with `response`.
+async fn proxy_answer(response: Response<Body>) -> (Code, Vec<(String, u64)>) {
+    let exported = Exported::new();
+    let once = RetryPolicy::new(1, 20 * MS, 500 * MS, 0.0).unwrap();
+    let (svc, mut handle) = layered(once, budget(), named(&exported));
+    let server = tokio::spawn(async move {
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(response);
+        handle
+    });
+    let status = tonic_unary(svc).await.unwrap_err();
+    let _handle = server.await.unwrap();
+    let got = exported.collect();
+    (status.code(), statuses(&got, "grpc.client.call.duration"))
+}
+
+/// §1: a proxy's HTTP 503 page is UNAVAILABLE, for the caller (tonic's
+/// client would read the page as gRPC messages and report INTERNAL) and in
+/// the metrics alike.
+#[tokio::test(start_paused = true)]
+async fn a_final_html_503_is_unavailable_to_the_caller_and_in_the_metrics() {
+    let (reported, recorded) = proxy_answer(html(503)).await;
+    assert_eq!(reported, Code::Unavailable);
+    assert_eq!(recorded, vec![("UNAVAILABLE".to_owned(), 1)]);
+}
+
+/// §1a: an HTTP 200 that is not gRPC (an HTML page) is UNKNOWN, for the
+/// caller and in the metrics (not CANCELLED: the caller cancelled nothing).
+#[tokio::test(start_paused = true)]
+async fn a_final_html_200_is_unknown_to_the_caller_and_in_the_metrics() {
+    let (reported, recorded) = proxy_answer(html(200)).await;
+    assert_eq!(reported, Code::Unknown);
+    assert_eq!(recorded, vec![("UNKNOWN".to_owned(), 1)]);
+}
+
+/// A96: `retry_delay` is the time a call had no attempt in flight, for a
+/// hedged call too: here a server's pushback of 100 ms.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_calls_pushback_wait_is_its_retry_delay() {
+    let exported = Exported::new();
+    let hedge = HedgePolicy::new(3, 1000 * MS).unwrap();
+    let (mut svc, mut handle) = layered(hedge, budget(), named(&exported));
+    let c = spawn_call(&mut svc, request()).await;
+    let (_, first, _) = next(&mut handle).await;
+    let mut r = status(Code::Unavailable);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
+    first.send_response(r);
+    let (_, second, _) = next(&mut handle).await;
+    second.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(c.await.unwrap().unwrap()).await, Code::Ok);
+    let got = exported.collect();
+    assert_eq!(got.point("grpc.client.call.hedges", &[METHOD]).sum, 1.0);
+    let delay = got.point("grpc.client.call.retry_delay", &[METHOD]);
+    assert_eq!(delay.count, 1);
+    assert!((delay.sum - 0.1).abs() < 0.003, "{}", delay.sum);
+}
+
+/// A hedge the deadline leaves no time for is a refusal by the deadline, as
+/// a retry is, and the call ends DEADLINE_EXCEEDED (§3a), counted once.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_by_the_deadline_is_counted_as_a_retry_is() {
+    for hedged in [false, true] {
+        let exported = Exported::new();
+        let policies: MethodPolicies = if hedged {
+            HedgePolicy::new(3, 1000 * MS).unwrap().into()
+        } else {
+            RetryPolicy::default().into()
+        };
+        let (mut svc, mut handle) = layered(policies, budget(), named(&exported));
+        let c = spawn_call(&mut svc, with_timeout(request(), "50m")).await;
+        let (_, first, _) = next(&mut handle).await;
+        let mut r = status(Code::Unavailable);
+        r.headers_mut()
+            .insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
+        first.send_response(r);
+        let response = c.await.unwrap().unwrap();
+        assert_eq!(
+            code_of(&response),
+            Code::DeadlineExceeded,
+            "hedged: {hedged}"
+        );
+        let got = exported.collect();
+        let refused: Vec<_> = got
+            .points("tonic_retry.retries.refused")
+            .iter()
+            .map(|p| (p.attributes["reason"].clone(), p.sum))
+            .collect();
+        assert_eq!(
+            refused,
+            vec![("deadline".to_owned(), 1.0)],
+            "hedged: {hedged}"
+        );
+    }
+}

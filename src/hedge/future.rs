@@ -32,7 +32,7 @@ use crate::metrics::Event;
 use crate::policy::RetryPolicy;
 use crate::replay::ReplayBody;
 use crate::shared::Shared;
-use crate::status::{code_name, status_response};
+use crate::status::{as_grpc_status, code_name, status_response};
 
 /// The balancer's report of one attempt's instance.
 type Slot = Arc<Mutex<Option<HeaderValue>>>;
@@ -97,6 +97,10 @@ pin_project! {
         // A hedge was refused by the budget, the extra-load cap or the time
         // left: a failure then is marked for the layers above (§11).
         refused: bool,
+        // The deadline left no time for the next hedge (a server's delay
+        // past it, or no time once its service was ready): a call that then
+        // fails ends DEADLINE_EXCEEDED (§3a).
+        no_time: bool,
         // With an adaptive delay: the latencies of the call's method.
         latencies: Option<Arc<Latencies>>,
     }
@@ -157,6 +161,7 @@ where
             last: None,
             unsent: None,
             refused: false,
+            no_time: false,
             latencies,
         }
     }
@@ -248,6 +253,8 @@ where
                                 if this.deadline.is_some_and(|end| at >= end) {
                                     *this.frozen = true;
                                     *this.refused = true;
+                                    *this.no_time = true;
+                                    this.shared.metrics.record(Event::RefusedByDeadline);
                                 }
                                 *this.timer = Some(Box::pin(tokio::time::sleep_until(at)));
                                 *this.due = false;
@@ -271,6 +278,15 @@ where
                             && matches!(failure, Failure::NoBudget | Failure::Cut { .. })
                         {
                             *this.refused = true;
+                        }
+                        if let Failure::Cut {
+                            why: Cut::Deadline, ..
+                        } = failure
+                        {
+                            *this.no_time = true;
+                            if done.number > 1 {
+                                this.shared.metrics.record(Event::RefusedByDeadline);
+                            }
                         }
                         *this.unsent = Some(failure);
                     }
@@ -369,7 +385,7 @@ where
                     return Poll::Ready(give_up(
                         this.last.take(),
                         unsent,
-                        (*this.sent, *this.refused),
+                        (*this.sent, *this.refused, *this.no_time),
                         policy,
                         this.shared,
                     ));
@@ -560,6 +576,7 @@ fn judge<RB, Bu: Budget>(
                     Budget::deposit(&shared.budget);
                 }
                 repair_status_details(response.headers_mut());
+                as_grpc_status(&mut response, code);
             }
             if code == Code::Ok
                 && let Some(latencies) = latencies
@@ -608,20 +625,13 @@ fn judge<RB, Bu: Budget>(
 fn give_up<RB, Bu>(
     last: Option<Last>,
     unsent: Option<Failure>,
-    (sent, refused): (u32, bool),
+    (sent, refused, out_of_time): (u32, bool, bool),
     policy: &RetryPolicy,
     shared: &Shared<Bu>,
 ) -> Response<ResponseBody<RB>> {
     // The deadline left no time for the next attempt: the call ends
     // DEADLINE_EXCEEDED, naming how the last one ended, as a retried call
     // does (§3, §3a).
-    let out_of_time = matches!(
-        unsent,
-        Some(Failure::Cut {
-            why: Cut::Deadline,
-            ..
-        })
-    );
     let mut response = match last {
         Some(last) if out_of_time => {
             let code = match &last {
@@ -643,9 +653,11 @@ fn give_up<RB, Bu>(
             mut headers,
         }) => {
             repair_status_details(&mut headers);
+            let code = classify_response(status, &headers, Default::default()).code();
             let mut response = Response::new(ResponseBody::empty());
             *response.status_mut() = status;
             *response.headers_mut() = headers;
+            as_grpc_status(&mut response, code);
             response
         }
         Some(Last::Status { code, message }) => status_response(code, message),
