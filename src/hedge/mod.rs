@@ -28,9 +28,12 @@
 //!   to the time left, and none with less than the minimum attempt budget.
 //! * **Bodies:** a hedge replays the request's copy, so it is sent only when
 //!   the body is complete (or of a known size) and within the replay limit.
-//!   A body that has answered `Pending` when a hedge is due (a client
-//!   stream) is not hedged, and nothing waits for it; a due hedge waits only
-//!   while the first attempt reads a body that never stalled (a unary one).
+//!   When a hedge is due and the first attempt (sent) has yet to read the
+//!   body, the body is read ahead into the copy the attempts send, so a first
+//!   attempt slow before it reads (its connection full, or being made) does
+//!   not hold the hedge back. A body that answers `Pending` (a client stream),
+//!   or outgrows the replay limit, is not hedged, and nothing waits for it;
+//!   what was read ahead goes to the attempt sent, whole.
 //!
 //! A method either retries or hedges, never both (A6).
 //!
@@ -47,7 +50,7 @@
 //! and 1,024 drains at once per layer; past a bound it is reset after all ([`RetryMetrics::drained`](crate::RetryMetrics::drained),
 //! [`drain_cut`](crate::RetryMetrics::drain_cut),
 //! [`drain_refused`](crate::RetryMetrics::drain_refused)). A call the caller
-//! drops is cancelled at once, its attempts reset.
+//! drops is cancelled at once, its attempts reset, drained ones included.
 //!
 //! What only the channel can set: how many reset streams h2 remembers, and
 //! for how long — the resets that remain (a drain past its bound, a dropped
