@@ -716,8 +716,12 @@ async fn run(seed: u64) {
         // A hedged call's attempts overlap: none may start once an answer
         // that commits has come (and was seen: not cut by a limit first).
         let log = log.lock().unwrap();
-        let cut = |started: Instant, at: Instant| {
-            case.attempt_timeout.is_some_and(|t| at >= started + t)
+        // An attempt's own timeout runs from when the layer made it, which
+        // may be long before it was sent (it waits for a ready service under
+        // that timeout, §3a): an answer that came once the call's first
+        // attempt timeout had passed may have been cut.
+        let cut = |_started: Instant, at: Instant| {
+            case.attempt_timeout.is_some_and(|t| at >= start + t)
                 || deadline.is_some_and(|d| at >= start + d)
         };
         let commit = log
