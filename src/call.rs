@@ -235,7 +235,7 @@ impl CallState {
             return Decision::Done("no attempts left");
         }
         if let Err(why) = replay {
-            return Decision::Done(not_replayable(why, shared, policy));
+            return Decision::Done(not_replayable(why, shared, policy, false));
         }
         let delay = match server_delay {
             Some(delay) if delay > policy.max_server_delay => {
@@ -356,17 +356,23 @@ impl CallState {
     }
 }
 
-/// Why a retry the request body cannot be sent again for is not made. A body
-/// that outgrew a replay limit is counted and said at `WARN`, where the
-/// caller's logs show it: the failure the caller gets is one the layer would
-/// have retried.
-fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolicy) -> &'static str {
+/// Why a retry (or a hedge: `hedge`) the request body cannot be sent again
+/// for is not made. A body that outgrew a replay limit is counted and said at
+/// `WARN`, where the caller's logs show it: the call is one the layer would
+/// have retried, or hedged.
+pub(crate) fn not_replayable<Bu>(
+    why: ReplayError,
+    shared: &Shared<Bu>,
+    policy: &RetryPolicy,
+    hedge: bool,
+) -> &'static str {
+    let not = if hedge { "not hedged" } else { "not retried" };
     match why {
         ReplayError::Capped => {
             shared.metrics.record(Event::BodyTooLarge);
             tracing::warn!(
                 limit = policy.replay_limit,
-                "not retried: the request body outgrew the call's replay limit \
+                "{not}: the request body outgrew the call's replay limit \
                  (RetryPolicy::with_replay_limit)"
             );
             "request body outgrew the replay limit"
@@ -375,7 +381,7 @@ fn not_replayable<Bu>(why: ReplayError, shared: &Shared<Bu>, policy: &RetryPolic
             shared.metrics.record(Event::BodyTooLarge);
             tracing::warn!(
                 layer_limit = shared.replay_memory.limit(),
-                "not retried: the layer's replay memory for calls in flight was full \
+                "{not}: the layer's replay memory for calls in flight was full \
                  (RetryLayer::with_replay_memory)"
             );
             "the layer's replay memory was full"
@@ -490,7 +496,7 @@ where
                 return end_call(req, result, policy.retry_at_one_layer, metrics);
             }
             Err(Failure::Unreplayable(why)) => {
-                let reason = not_replayable(*why, shared, policy);
+                let reason = not_replayable(*why, shared, policy, false);
                 tracing::debug!(
                     attempt = state.made,
                     key = key(req),

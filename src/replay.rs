@@ -116,9 +116,14 @@ struct Shared<B> {
     /// before the first attempt has read it can read it ahead (proven where
     /// the layer's service is made, as the service's other conversions).
     pull: Option<Pull<B>>,
-    /// A chunk read ahead went past a replay limit: kept for the attempts
-    /// sent, which have yet to send it, and no other attempt may be sent.
+    /// A chunk read ahead went past a replay limit: kept for the attempt
+    /// sent, which has yet to send it, and no other attempt may be sent. The
+    /// copy goes once that attempt has read past it, and nothing more is
+    /// copied.
     over: bool,
+    /// The caller's body failed while read ahead: its error, for the attempt
+    /// that reads up to it (later ones get [`ReplayError::SourceFailed`]).
+    error: Option<BoxError>,
 }
 
 /// Polls the caller's body for its next frame, its error boxed.
@@ -346,6 +351,7 @@ impl<B: Body> ReplayBody<B> {
                 hedge_epochs: [UNSENT; 5],
                 pull: None,
                 over: false,
+                error: None,
             })),
             pos: 0,
             trailers_sent: false,
@@ -527,10 +533,11 @@ impl<B> ReplayBody<B> {
                     shared.source = None;
                     break true;
                 }
-                Poll::Ready(Some(Err(_))) => {
-                    // The attempts that read on get `SourceFailed`.
+                Poll::Ready(Some(Err(error))) => {
+                    // Kept for the attempt that reads up to it.
                     shared.failed = true;
                     shared.source = None;
+                    shared.error = Some(error);
                     break false;
                 }
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
@@ -655,8 +662,9 @@ impl<B> Shared<B> {
         if epoch == self.live {
             self.live_pos = pos;
         }
-        if self.only == Some(epoch) && pos >= self.read {
-            // The last reader has the whole copy now; nobody else will.
+        if (self.only == Some(epoch) || self.over) && pos >= self.read {
+            // The last reader has the whole copy now; nobody else will. (Past
+            // a limit read ahead, the one attempt sent is that reader.)
             self.drop_copy();
         }
     }
@@ -689,8 +697,9 @@ impl<B> Shared<B> {
     fn keep(&mut self, chunk: &Bytes) {
         self.read += 1;
         self.bytes = self.bytes.saturating_add(chunk.len());
-        // Only `only` reads from here on, and it has this chunk in hand.
-        if self.capped || self.only.is_some() {
+        // Only `only` (or, `over`, the one attempt sent) reads from here on,
+        // and it has this chunk in hand.
+        if self.capped || self.only.is_some() || self.over {
             return;
         }
         if self.bytes > self.limit {
@@ -752,7 +761,11 @@ where
         }
         shared.advanced(this.epoch, this.pos);
         if shared.failed {
-            return Poll::Ready(Some(Err(ReplayError::SourceFailed.into())));
+            let error = shared
+                .error
+                .take()
+                .unwrap_or_else(|| ReplayError::SourceFailed.into());
+            return Poll::Ready(Some(Err(error)));
         }
         if shared.ended {
             return Poll::Ready(match &shared.trailers {

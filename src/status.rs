@@ -69,7 +69,8 @@ pub(crate) fn code_at_headers(status: StatusCode, headers: &HeaderMap) -> Option
 /// its call (an HTTP error, or a page that is not gRPC: a proxy's answer,
 /// never committed) becomes the Trailers-Only status `code` it maps to (§1,
 /// §1a). Handed up as it is, tonic's client would read its body as gRPC
-/// messages and report `INTERNAL` whatever the HTTP status said.
+/// messages and report `INTERNAL` whatever the HTTP status said. Its other
+/// headers are kept: a "do not retry" mark (§11), an instance's id.
 pub(crate) fn as_grpc_status<B: Default>(response: &mut Response<B>, code: Code) {
     if response.headers().contains_key(GRPC_STATUS) {
         return;
@@ -85,7 +86,27 @@ pub(crate) fn as_grpc_status<B: Default>(response: &mut Response<B>, code: Code)
             response.status()
         ),
     };
+    let headers = std::mem::take(response.headers_mut());
     *response = status_response(code, message);
+    // NOTE: a header map's iterator names each value's header only at the
+    // first of its values.
+    let mut name = None;
+    for (next, value) in headers {
+        if next.is_some() {
+            name = next;
+        }
+        let Some(name) = &name else { continue };
+        // What described the page, or a status that is not one.
+        let replaced = [
+            http::header::CONTENT_TYPE,
+            http::header::CONTENT_LENGTH,
+            GRPC_MESSAGE,
+            GRPC_STATUS_DETAILS,
+        ];
+        if !replaced.contains(name) {
+            response.headers_mut().append(name.clone(), value);
+        }
+    }
 }
 
 /// The canonical upper-case name of a code, as gRPC documents and logs it.

@@ -22,7 +22,9 @@ use tower_service::Service;
 use crate::attempt::{Attempt, AttemptFuture, Cut, Failure};
 use crate::body::{Credit, ResponseBody};
 use crate::budget::Budget;
-use crate::call::{failure_response, mark_given_up, no_response_message, previous_attempts};
+use crate::call::{
+    failure_response, mark_given_up, no_response_message, not_replayable, previous_attempts,
+};
 use crate::classify::{
     Verdict, classify_error, classify_response, describe, repair_status_details,
 };
@@ -30,7 +32,7 @@ use crate::hedge::Latencies;
 use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS, PickedInstance};
 use crate::metrics::Event;
 use crate::policy::RetryPolicy;
-use crate::replay::ReplayBody;
+use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::Shared;
 use crate::status::{as_grpc_status, code_name, status_response};
 
@@ -250,7 +252,10 @@ where
                             Some(d) if d > policy.max_server_delay => *this.frozen = true,
                             Some(d) if !d.is_zero() => {
                                 let at = Instant::now() + d;
-                                if this.deadline.is_some_and(|end| at >= end) {
+                                // Refused by the deadline only if a hedge
+                                // could still go.
+                                let more = !*this.frozen && *this.started < policy.max_attempts;
+                                if more && this.deadline.is_some_and(|end| at >= end) {
                                     *this.frozen = true;
                                     *this.refused = true;
                                     *this.no_time = true;
@@ -363,7 +368,10 @@ where
                             (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)));
                         progressed = true;
                     }
-                    May::NotTheBody => *this.frozen = true,
+                    May::NotTheBody => {
+                        *this.frozen = true;
+                        body_not_hedged(this.template, this.shared, policy);
+                    }
                     May::Capped => {
                         *this.frozen = true;
                         *this.refused = true;
@@ -375,10 +383,13 @@ where
             if this.inflight.is_empty() {
                 let more = !*this.frozen
                     && *this.started < policy.max_attempts
-                    && this
-                        .template
-                        .as_ref()
-                        .is_some_and(|t| t.body().poll_hedgeable(cx, true) == Poll::Ready(true));
+                    && match this.template.as_ref() {
+                        Some(t) if t.body().poll_hedgeable(cx, true) == Poll::Ready(true) => true,
+                        _ => {
+                            body_not_hedged(this.template, this.shared, policy);
+                            false
+                        }
+                    };
                 if !more {
                     *this.template = None;
                     let unsent = this.unsent.take();
@@ -395,6 +406,21 @@ where
                 return Poll::Pending;
             }
         }
+    }
+}
+
+/// The call's body cannot be sent again: if for a replay limit, that is
+/// counted and said, as for a retry (§7b).
+fn body_not_hedged<B, Bu>(
+    template: &Option<Request<ReplayBody<B>>>,
+    shared: &Shared<Bu>,
+    policy: &RetryPolicy,
+) {
+    if let Some(template) = template
+        && let Err(why @ (ReplayError::Capped | ReplayError::LayerFull)) =
+            template.body().replay_state()
+    {
+        not_replayable(why, shared, policy, true);
     }
 }
 

@@ -1,0 +1,338 @@
+//! Hedged bodies read ahead, proxy answers handed up as gRPC statuses, and
+//! the hedge driver's deadline bookkeeping (SPEC §7, §7a, §7b, §11, §13),
+//! each against the retry path where it has one. Mocks under paused time.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use http_body_util::BodyExt;
+use support::*;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{HedgePolicy, RetryLayer, RetryPolicy};
+use tower::{Layer, Service, ServiceExt};
+use tower_test::mock;
+
+type Call = tokio::task::JoinHandle<Outcome>;
+
+fn hedge(attempts: u32, delay_ms: u64) -> HedgePolicy {
+    HedgePolicy::new(attempts, Duration::from_millis(delay_ms))
+        .unwrap()
+        .with_max_extra_load(None)
+        .unwrap()
+}
+
+async fn start(svc: &mut Svc, req: Request<Body>) -> Call {
+    let ready = svc.ready().await.unwrap();
+    tokio::spawn(ready.call(req))
+}
+
+/// A complete body of `chunks`, with no size hint (as tonic's bodies).
+fn unsized_body(chunks: Vec<Bytes>) -> Body {
+    let frames: Vec<Result<http_body::Frame<Bytes>, tonic::Status>> = chunks
+        .into_iter()
+        .map(|c| Ok(http_body::Frame::data(c)))
+        .collect();
+    Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
+}
+
+fn unsized_request(chunks: Vec<Bytes>) -> Request<Body> {
+    let mut req = with_timeout(request(), "1S");
+    *req.body_mut() = unsized_body(chunks);
+    req
+}
+
+/// Bytes whose memory says when it is freed.
+struct Owned(Vec<u8>, Arc<AtomicBool>);
+impl AsRef<[u8]> for Owned {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+impl Drop for Owned {
+    fn drop(&mut self) {
+        self.1.store(true, Ordering::SeqCst);
+    }
+}
+
+fn watched_chunk(len: usize) -> (Bytes, Arc<AtomicBool>) {
+    let freed = Arc::new(AtomicBool::new(false));
+    (
+        Bytes::from_owner(Owned(vec![b'x'; len], Arc::clone(&freed))),
+        freed,
+    )
+}
+
+/// A retried call's copy goes as soon as its body outgrows the limit (§7,
+/// §7a, §7b).
+#[tokio::test(start_paused = true)]
+async fn a_retried_calls_copy_past_the_limit_goes_at_once() {
+    let policy = RetryPolicy::default().with_replay_limit(4);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (big, freed) = watched_chunk(64 * 1024);
+    let call = start(
+        &mut svc,
+        unsized_request(vec![Bytes::from_static(b"abc"), big]),
+    )
+    .await;
+    let (r1, a1, _) = next(&mut handle).await;
+    let sent = r1.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(sent.len(), 3 + 64 * 1024);
+    drop(sent);
+    settle().await;
+    assert_eq!(layer.replay_memory_in_use(), 0, "copy released");
+    assert!(freed.load(Ordering::SeqCst), "the big chunk is not held");
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+/// A hedged call whose body was read ahead past the replay limit can hedge no
+/// more: once its one attempt has sent the whole body, the copy goes (the
+/// layer memory it reserved, and the chunk past the limit), not at the
+/// call's end (§7a, §7b).
+#[tokio::test(start_paused = true)]
+async fn a_copy_read_ahead_past_the_limit_goes_once_the_body_is_sent() {
+    let small = hedge(2, 10).with_settings_of(&RetryPolicy::default().with_replay_limit(4));
+    let (mut svc, mut handle, layer) = setup(small.into(), budget());
+    let (big, freed) = watched_chunk(64 * 1024);
+    let call = start(
+        &mut svc,
+        unsized_request(vec![Bytes::from_static(b"abc"), big]),
+    )
+    .await;
+    let (r1, a1, _) = next(&mut handle).await;
+    // The hedge is due at 10 ms: the driver reads the body ahead, and finds
+    // it over the limit; no hedge.
+    tokio::time::sleep(50 * MS).await;
+    assert!(handle.next_request().now_or_never().is_none(), "no hedge");
+    // The one attempt sends the whole body.
+    let sent = r1.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(sent.len(), 3 + 64 * 1024);
+    drop(sent);
+    settle().await;
+    // The server is slow to answer; meanwhile, what does the call hold?
+    tokio::time::sleep(500 * MS).await;
+    let in_use = layer.replay_memory_in_use();
+    let big_freed = freed.load(Ordering::SeqCst);
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+    assert_eq!(
+        (in_use, big_freed),
+        (0, true),
+        "(layer memory in use, chunk past the limit freed) while the call waits for its answer"
+    );
+}
+
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+fn unavailable_with_pushback(ms: &'static str) -> Response<Body> {
+    let mut r = status(Code::Unavailable);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static(ms));
+    r
+}
+
+/// A retried call whose last attempt answers UNAVAILABLE with a pushback
+/// past the deadline ends with that status: no attempt was left to refuse.
+#[tokio::test(start_paused = true)]
+async fn a_retried_call_with_no_attempt_left_ends_with_the_last_status() {
+    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0).unwrap();
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = start(&mut svc, with_timeout(request(), "100m")).await;
+    let (_, a1, _) = next(&mut handle).await;
+    a1.send_response(status(Code::Unavailable));
+    let (_, a2, _) = next(&mut handle).await;
+    a2.send_response(unavailable_with_pushback("500"));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(layer.metrics().refused_by_deadline(), 0);
+}
+
+/// So does a hedged call (§13: "with the last status ... as for retries"):
+/// both attempts of a two-attempt hedge were sent, one answers UNAVAILABLE
+/// with a pushback past the deadline, the other UNAVAILABLE. No hedge was
+/// refused, nothing ran out of time.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_with_no_attempt_left_ends_with_the_last_status_despite_a_pushback_past_its_deadline()
+ {
+    let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
+    let call = start(&mut svc, with_timeout(request(), "100m")).await;
+    let (_, a1, _) = next(&mut handle).await;
+    let (_, a2, _) = next(&mut handle).await;
+    a1.send_response(unavailable_with_pushback("500"));
+    settle().await;
+    a2.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    let got = (
+        code_of(&response),
+        message_of(&response),
+        layer.metrics().refused_by_deadline(),
+    );
+    assert_eq!(
+        (got.0, got.2),
+        (Code::Unavailable, 0),
+        "caller got {got:?}: (code, message, refused_by_deadline)"
+    );
+}
+
+fn http_503_marked() -> Response<Body> {
+    Response::builder()
+        .status(503)
+        .header("grpc-retry-pushback-ms", "-1")
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// One layer: the mark on a 503 (no grpc-status) is not retried here
+/// (RetriedBelow), and must still be on what is handed up.
+#[tokio::test(start_paused = true)]
+async fn a_503_marked_do_not_retry_keeps_its_mark_when_retried() {
+    let (mut svc, mut handle, layer) = setup(RetryPolicy::default(), budget());
+    let call = start(&mut svc, request()).await;
+    let (_, a1, _) = next(&mut handle).await;
+    a1.send_response(http_503_marked());
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(layer.metrics().retried_below(), 1, "not retried here");
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(
+        response
+            .headers()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().unwrap().to_owned()),
+        Some("-1".to_owned()),
+        "the do-not-retry mark handed up; headers: {:?}",
+        response.headers()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_503_marked_do_not_retry_keeps_its_mark_when_hedged() {
+    let (mut svc, mut handle, _layer) = setup(hedge(2, 1000).into(), budget());
+    let call = start(&mut svc, request()).await;
+    let (_, a1, _) = next(&mut handle).await;
+    a1.send_response(http_503_marked());
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "not hedged: the mark stops hedges"
+    );
+    assert_eq!(
+        response
+            .headers()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().unwrap().to_owned()),
+        Some("-1".to_owned()),
+        "the do-not-retry mark handed up; headers: {:?}",
+        response.headers()
+    );
+}
+
+/// Two layers stacked (§11: "Every A6 client (... this layer) then passes
+/// the failure up without retrying it"): the server sends one marked 503,
+/// and must see one attempt in all.
+#[tokio::test(start_paused = true)]
+async fn stacked_layers_do_not_retry_a_marked_503() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0).unwrap();
+    let lower = RetryLayer::new(policy.clone(), budget());
+    let upper = RetryLayer::new(policy, budget());
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = upper.layer(lower.layer(inner));
+    let ready = svc.ready().await.unwrap();
+    let call = tokio::spawn(ready.call(request()));
+    let mut attempts = 0;
+    loop {
+        tokio::select! {
+            got = handle.next_request() => {
+                let (_, send) = got.unwrap();
+                attempts += 1;
+                send.send_response(http_503_marked());
+            }
+            _ = tokio::time::sleep(Duration::from_secs(5)) => break,
+        }
+    }
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert_eq!(attempts, 1, "the server was sent {attempts} attempts");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_error_read_ahead_reaches_the_first_attempt_as_the_callers_error() {
+    let (mut svc, mut handle, _layer) = setup(hedge(2, 10).into(), budget());
+    let frames: Vec<Result<http_body::Frame<Bytes>, tonic::Status>> = vec![
+        Ok(http_body::Frame::data(Bytes::from_static(b"abc"))),
+        Err(tonic::Status::internal("the caller's body broke")),
+    ];
+    let mut req = with_timeout(request(), "1S");
+    *req.body_mut() = Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)));
+    let call = start(&mut svc, req).await;
+    let (r1, a1, _) = next(&mut handle).await;
+    tokio::time::sleep(50 * MS).await; // the hedge was due: read ahead
+    let mut body = r1.into_body();
+    assert_eq!(next_data(&mut body).await, "abc");
+    let err = body.frame().await.unwrap().unwrap_err();
+    let text = err.to_string();
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+    assert!(
+        text.contains("the caller's body broke"),
+        "the first attempt's body failed with: {text:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_for_a_body_read_ahead_past_the_limit_is_counted() {
+    let small = hedge(2, 1000).with_settings_of(&RetryPolicy::default().with_replay_limit(4));
+    let (mut svc, mut handle, layer) = setup(small.into(), budget());
+    let call = start(
+        &mut svc,
+        unsized_request(vec![Bytes::from_static(b"0123456789")]),
+    )
+    .await;
+    let (_r1, a1, _) = next(&mut handle).await;
+    // Non-fatal at once: the next hedge is due now, and the body (read ahead)
+    // is over the limit.
+    a1.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Unavailable);
+    assert!(handle.next_request().now_or_never().is_none());
+    assert_eq!(layer.metrics().body_too_large(), 1, "counted (§7b)");
+}
+
+#[tokio::test(start_paused = true)]
+async fn five_attempts_at_once_all_send_the_body_read_ahead_with_its_trailers() {
+    let (mut svc, mut handle, _layer) = setup(hedge(5, 0).into(), budget());
+    let mut t = http::HeaderMap::new();
+    t.insert("x-sum", HeaderValue::from_static("9"));
+    let frames: Vec<Result<http_body::Frame<Bytes>, tonic::Status>> = vec![
+        Ok(http_body::Frame::data(Bytes::from_static(b"ab"))),
+        Ok(http_body::Frame::data(Bytes::from_static(b"cd"))),
+        Ok(http_body::Frame::trailers(t)),
+    ];
+    let mut req = with_timeout(request(), "1S");
+    *req.body_mut() = Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)));
+    let call = start(&mut svc, req).await;
+    let mut sends = Vec::new();
+    let mut bodies = Vec::new();
+    for _ in 0..5 {
+        let (r, s, _) = next(&mut handle).await;
+        bodies.push(r.into_body());
+        sends.push(s);
+    }
+    for b in bodies.into_iter().rev() {
+        let c = b.collect().await.unwrap();
+        assert_eq!(c.trailers().unwrap()["x-sum"], "9");
+        assert_eq!(c.to_bytes(), "abcd");
+    }
+    sends.pop().unwrap().send_response(ok());
+    call.await.unwrap().unwrap();
+}
