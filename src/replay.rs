@@ -98,8 +98,11 @@ struct Shared<B> {
     concurrent: bool,
     /// The body's size is known and within the limit: its copy can never be
     /// dropped for the limit, so another attempt can read it side by side
-    /// before it is complete.
+    /// before it is complete (once the layer's memory is reserved for all
+    /// of it).
     fits: bool,
+    /// The most the body's size hint says it holds (if it fits).
+    hint: usize,
     ended: bool,
     failed: bool,
     /// The caller's body once answered `Pending`: it is not all there.
@@ -296,7 +299,10 @@ impl<B: Body> ReplayBody<B> {
     pub(crate) fn sharing(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self {
         let hint = body.size_hint();
         let capped = hint.lower() > limit as u64;
-        let fits = hint.upper().is_some_and(|upper| upper <= limit as u64);
+        let fits = hint
+            .upper()
+            .filter(|upper| *upper <= limit as u64)
+            .and_then(|upper| usize::try_from(upper).ok());
         Self::with_state(body, limit, capped, fits, false, memory)
     }
 
@@ -314,14 +320,14 @@ impl<B: Body> ReplayBody<B> {
 
     /// Wraps `body` for a call that will never be retried: nothing is copied.
     pub(crate) fn unreplayable(body: B) -> Self {
-        Self::with_state(body, 0, false, false, true, None)
+        Self::with_state(body, 0, false, None, true, None)
     }
 
     fn with_state(
         body: B,
         limit: usize,
         capped: bool,
-        fits: bool,
+        fits: Option<usize>,
         final_attempt: bool,
         memory: Option<Arc<ReplayMemory>>,
     ) -> Self {
@@ -342,7 +348,8 @@ impl<B: Body> ReplayBody<B> {
                 released: final_attempt,
                 stalled: false,
                 concurrent: false,
-                fits,
+                fits: fits.is_some(),
+                hint: fits.unwrap_or(0),
                 ended: false,
                 failed: false,
                 trailers: None,
@@ -506,8 +513,19 @@ impl<B> ReplayBody<B> {
         if shared.replay_state().is_err() {
             return Poll::Ready(false);
         }
-        if shared.ended || shared.fits {
+        if shared.ended {
             return Poll::Ready(true);
+        }
+        if shared.fits {
+            // Attempts read it side by side before it is complete: the
+            // layer's memory must hold all of it, or the copy could be
+            // dropped under a later attempt's reading.
+            let hint = shared.hint;
+            if shared.reserve(hint) {
+                return Poll::Ready(true);
+            }
+            shared.cap(Cap::Layer);
+            return Poll::Ready(false);
         }
         if shared.stalled || shared.failed {
             return Poll::Ready(false);
@@ -678,16 +696,11 @@ impl<B> Shared<B> {
         let within = if self.bytes > self.limit {
             self.cap = Cap::Call;
             false
-        } else if let Some(memory) = &self.memory {
-            let reserved = memory.try_reserve(chunk.len());
-            if reserved {
-                self.reserved += chunk.len();
-            } else {
-                self.cap = Cap::Layer;
-            }
-            reserved
-        } else {
+        } else if self.reserve_to_bytes() {
             true
+        } else {
+            self.cap = Cap::Layer;
+            false
         };
         self.over |= !within;
         self.chunks.push(chunk.clone());
@@ -705,13 +718,32 @@ impl<B> Shared<B> {
         if self.bytes > self.limit {
             return self.cap(Cap::Call);
         }
-        if let Some(memory) = &self.memory {
-            if !memory.try_reserve(chunk.len()) {
-                return self.cap(Cap::Layer);
-            }
-            self.reserved += chunk.len();
+        if !self.reserve_to_bytes() {
+            return self.cap(Cap::Layer);
         }
         self.chunks.push(chunk.clone());
+    }
+
+    /// Reserves in the layer's memory what the copy holds beyond what is
+    /// reserved for it already (nothing, when its whole size was reserved
+    /// ahead). Whether it could.
+    fn reserve_to_bytes(&mut self) -> bool {
+        self.reserve(self.bytes)
+    }
+
+    /// Reserves in the layer's memory up to `bytes` for the copy in all.
+    fn reserve(&mut self, bytes: usize) -> bool {
+        let more = bytes.saturating_sub(self.reserved);
+        match &self.memory {
+            Some(memory) if more > 0 => {
+                if !memory.try_reserve(more) {
+                    return false;
+                }
+                self.reserved += more;
+                true
+            }
+            _ => true,
+        }
     }
 }
 

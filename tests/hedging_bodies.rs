@@ -336,3 +336,49 @@ async fn five_attempts_at_once_all_send_the_body_read_ahead_with_its_trailers() 
     sends.pop().unwrap().send_response(ok());
     call.await.unwrap().unwrap();
 }
+
+/// A body of known size within the call's limit is hedged side by side
+/// before it is complete only if the layer's replay memory can hold all of
+/// it (§7b): with the layer's memory too small, it is not hedged (counted
+/// and said), and its one attempt sends it whole.
+#[tokio::test(start_paused = true)]
+async fn a_body_of_known_size_the_layers_memory_cannot_hold_is_not_hedged() {
+    let layer = RetryLayer::new(hedge(2, 0), support::budget()).with_replay_memory(8);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let req = with_timeout(request(), "1S"); // a 10-byte body, its size known
+    let call = start(&mut svc, req).await;
+    let (r1, a1, _) = next(&mut handle).await;
+    settle().await;
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "no hedge: the layer cannot hold the copy"
+    );
+    assert_eq!(layer.metrics().body_too_large(), 1, "counted (§7b)");
+    let sent = r1.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(sent.len(), 10, "sent whole: {sent:?}");
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(layer.replay_memory_in_use(), 0);
+}
+
+/// With room for it, the same body is hedged at once, and both attempts
+/// send all of it while the layer holds its copy.
+#[tokio::test(start_paused = true)]
+async fn a_body_of_known_size_is_hedged_with_its_copy_reserved_whole() {
+    let layer = RetryLayer::new(hedge(2, 0), support::budget()).with_replay_memory(10);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let call = start(&mut svc, with_timeout(request(), "1S")).await;
+    let (r1, a1, _) = next(&mut handle).await;
+    let (r2, _a2, _) = next(&mut handle).await;
+    assert_eq!(layer.replay_memory_in_use(), 10, "reserved whole, ahead");
+    let first = r1.into_body().collect().await.unwrap().to_bytes();
+    let second = r2.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!((first.len(), second.len()), (10, 10));
+    assert_eq!(first, second);
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    settle().await;
+    assert_eq!(layer.replay_memory_in_use(), 0);
+}
