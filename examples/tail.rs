@@ -11,7 +11,8 @@
 //! run and after its first second, the extra attempts the servers saw (% of
 //! calls), failed calls, and connections the servers accepted beyond the
 //! three each row opens (a connection the client lost, to h2's reset
-//! guards or anything else, is reopened and counted here).
+//! guards or anything else, is reopened and counted here), and for the
+//! layer's rows the hedges its extra-load cap refused.
 
 #[path = "../tests/common/library.rs"]
 mod library;
@@ -35,7 +36,7 @@ use tonic::body::Body;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic_retry::balance::PreferUntried;
 use tonic_retry::fault::{Fault, FaultLayer, Rule};
-use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer};
+use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer, RetryMetrics};
 use tower::util::BoxCloneService;
 use tower::{BoxError, Service, ServiceExt};
 
@@ -162,7 +163,8 @@ where
     }
 }
 
-fn stack(row: Row, instances: &[Instance]) -> Boxed {
+/// The row's client stack, and the layer's counters for the rows that have one.
+fn stack(row: Row, instances: &[Instance]) -> (Boxed, Option<RetryMetrics>) {
     let endpoints = instances
         .iter()
         .map(|i| (i.faults.instance().to_owned(), channel(i.addr)));
@@ -171,14 +173,15 @@ fn stack(row: Row, instances: &[Instance]) -> Boxed {
     // delays, not budgets.
     let hedged = |policy: HedgePolicy| {
         let layer = RetryLayer::new(policy, RetryBudget::new(1_000_000, 1.0).unwrap());
-        BoxCloneService::new(
+        let service = BoxCloneService::new(
             tower::Layer::layer(&layer, balancer.clone())
                 .map_response(|r| r.map(Body::new))
                 .map_err(status),
-        )
+        );
+        (service, Some(layer.metrics().clone()))
     };
     match row {
-        Row::None => BoxCloneService::new(balancer.map_err(status)),
+        Row::None => (BoxCloneService::new(balancer.map_err(status)), None),
         Row::TowerHedge => {
             let inner = tower::service_fn(move |req: http::Request<Bytes>| {
                 let balancer = balancer.clone();
@@ -197,10 +200,11 @@ fn stack(row: Row, instances: &[Instance]) -> Boxed {
             // tower's `Hedge` is not `Clone`: shared through a buffer, whose
             // worker only starts each call, which then runs in the caller's task.
             let shared = tower::buffer::Buffer::new(hedge, 1024);
-            BoxCloneService::new(ServiceExt::<http::Request<Body>>::map_err(
+            let service = BoxCloneService::new(ServiceExt::<http::Request<Body>>::map_err(
                 BufferBody(shared),
                 status,
-            ))
+            ));
+            (service, None)
         }
         Row::Fixed => hedged(
             HedgePolicy::new(2, Duration::from_millis(10))
@@ -232,6 +236,8 @@ struct RowResult {
     failed: usize,
     extra: f64,
     reconnects: u64,
+    /// Hedges the extra-load cap refused (the layer's rows).
+    capped: Option<u64>,
 }
 
 async fn run_row(row: Row) -> RowResult {
@@ -240,7 +246,8 @@ async fn run_row(row: Row) -> RowResult {
         instance("b").await,
         instance("c").await,
     ];
-    let client = LibraryClient::new(stack(row, &instances));
+    let (stack, metrics) = stack(row, &instances);
+    let client = LibraryClient::new(stack);
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
@@ -280,6 +287,7 @@ async fn run_row(row: Row) -> RowResult {
         failed,
         extra: requests as f64 / CALLS as f64 - 1.0,
         reconnects: accepted.saturating_sub(instances.len() as u64),
+        capped: metrics.map(|m| m.hedges_capped()),
     }
 }
 
@@ -311,13 +319,14 @@ async fn main() {
     for run in 1..=runs {
         println!("\nrun {run}");
         println!(
-            "  {:<30} {:>26}   {:>26}   {:>7} {:>7} {:>11}",
+            "  {:<30} {:>26}   {:>26}   {:>7} {:>7} {:>11} {:>7}",
             "",
             "whole run p50/p99/p99.9 ms",
             "after 1 s p50/p99/p99.9 ms",
             "extra",
             "failed",
-            "reconnects"
+            "reconnects",
+            "capped"
         );
         for row in [
             Row::None,
@@ -338,13 +347,14 @@ async fn main() {
             );
             let show = |p: [Duration; 3]| format!("{} / {} / {}", ms(p[0]), ms(p[1]), ms(p[2]));
             println!(
-                "  {:<30} {:>26}   {:>26}   {:>6.1}% {:>7} {:>11}",
+                "  {:<30} {:>26}   {:>26}   {:>6.2}% {:>7} {:>11} {:>7}",
                 row.name(),
                 show(whole),
                 show(after),
                 result.extra * 100.0,
                 result.failed,
-                result.reconnects
+                result.reconnects,
+                result.capped.map_or("-".to_owned(), |c| c.to_string())
             );
         }
     }

@@ -23,6 +23,7 @@ struct Counters {
     marked: AtomicU64,
     body_too_large: AtomicU64,
     hedges: AtomicU64,
+    hedges_capped: AtomicU64,
     draining: AtomicU64,
     drained: AtomicU64,
     drain_cut: AtomicU64,
@@ -43,6 +44,7 @@ pub(crate) enum Event {
     Marked,
     BodyTooLarge,
     Hedge,
+    HedgeCapped,
     Drained,
     DrainCut,
     DrainRefused,
@@ -60,6 +62,7 @@ impl RetryMetrics {
             Event::Marked => &c.marked,
             Event::BodyTooLarge => &c.body_too_large,
             Event::Hedge => &c.hedges,
+            Event::HedgeCapped => &c.hedges_capped,
             Event::Drained => &c.drained,
             Event::DrainCut => &c.drain_cut,
             Event::DrainRefused => &c.drain_refused,
@@ -98,6 +101,13 @@ impl RetryMetrics {
     /// [`retries`](Self::retries).
     pub fn hedges(&self) -> u64 {
         self.inner.hedges.load(Ordering::Relaxed)
+    }
+
+    /// Hedges due but not sent because the policy's extra-load cap
+    /// ([`HedgePolicy::with_max_extra_load`](crate::HedgePolicy::with_max_extra_load))
+    /// had none left: the call went on with the attempts it had.
+    pub fn hedges_capped(&self) -> u64 {
+        self.inner.hedges_capped.load(Ordering::Relaxed)
     }
 
     /// Retryable failures not retried because the budget was empty.
@@ -185,6 +195,7 @@ impl fmt::Debug for RetryMetrics {
             .field("attempts", &self.attempts())
             .field("retries", &self.retries())
             .field("hedges", &self.hedges())
+            .field("hedges_capped", &self.hedges_capped())
             .field("refused_by_budget", &self.refused_by_budget())
             .field("refused_by_deadline", &self.refused_by_deadline())
             .field("retried_below", &self.retried_below())

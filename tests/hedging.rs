@@ -279,15 +279,15 @@ async fn no_token_no_hedge() {
 
 #[tokio::test(start_paused = true)]
 async fn the_extra_load_cap_bounds_hedges_however_large_the_budget() {
-    // A 10 % cap: the account starts with 5 hedges saved, and earns a tenth
-    // of one per call.
+    // A 10 % cap: the account starts with 50 hedges saved (of the 100 it
+    // can save for a burst), and earns a tenth of one per call.
     let capped = HedgePolicy::new(2, Duration::from_millis(10))
         .unwrap()
         .with_max_extra_load(Some(0.1))
         .unwrap();
     let mut s = hedged(capped, RetryBudget::new(1000, 1.0).unwrap());
     let mut hedges = 0;
-    for _ in 0..50 {
+    for _ in 0..500 {
         let call = start(&mut s, request()).await;
         let (_, a1, _) = arrives(&mut s.handle).await;
         tokio::time::sleep(20 * MS).await;
@@ -298,13 +298,14 @@ async fn the_extra_load_cap_bounds_hedges_however_large_the_budget() {
         a1.send_response(ok());
         call.await.unwrap().unwrap();
     }
-    // 5 saved, then 0.1 per call: at most 5 + 50 × 0.1 = 10 of 50 calls.
+    // 50 saved, then 0.1 per call: at most 50 + 500 × 0.1 = 100 of 500 calls.
     assert!(
-        hedges <= 10,
-        "{hedges} hedges for 50 calls under a 10 % cap"
+        hedges <= 100,
+        "{hedges} hedges for 500 calls under a 10 % cap"
     );
-    assert!(hedges >= 9, "the cap allows its share: {hedges}");
+    assert!(hedges >= 99, "the cap allows its share: {hedges}");
     assert_eq!(s.layer.metrics().hedges(), hedges);
+    assert_eq!(s.layer.metrics().hedges_capped(), 500 - hedges);
 }
 
 #[tokio::test(start_paused = true)]
@@ -585,12 +586,12 @@ fn req_to(path: &str) -> Request<Body> {
 /// extra-load cap.
 #[tokio::test(start_paused = true)]
 async fn extra_load_share_is_not_spent_on_hedges_never_sent() {
-    // The default 5 % cap (5 hedges saved up); a budget of half a token, so
+    // The default 5 % cap (50 hedges saved up); a budget of half a token, so
     // every hedge is refused at send.
     let p = HedgePolicy::new(2, Duration::from_millis(10)).unwrap();
     let poor = RetryBudget::new(1, 0.001).unwrap();
     let mut s = hedged(p, poor.clone());
-    for _ in 0..6 {
+    for _ in 0..60 {
         let call = start(&mut s, request()).await;
         let (_, a1, _) = arrives(&mut s.handle).await;
         tokio::time::sleep(20 * MS).await;
@@ -610,7 +611,7 @@ async fn extra_load_share_is_not_spent_on_hedges_never_sent() {
     let hedge = s.handle.next_request().now_or_never();
     assert!(
         matches!(hedge, Some(Some(_))),
-        "0 hedges in 7 calls is within a 5 % cap (5 saved up): the hedge goes"
+        "0 hedges in 61 calls is within a 5 % cap (50 saved up): the hedge goes"
     );
     a1.send_response(ok());
     call.await.unwrap().unwrap();
@@ -952,7 +953,7 @@ async fn a_zero_delay_hedges_a_complete_body_at_once() {
     assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
 }
 
-/// The default 5 % cap: 5 hedges saved up at the start.
+/// The default 5 % cap: 50 hedges saved up at the start.
 fn capped(attempts: u32, delay_ms: u64) -> HedgePolicy {
     HedgePolicy::new(attempts, Duration::from_millis(delay_ms)).unwrap()
 }
@@ -975,7 +976,7 @@ async fn next_call_hedges(s: &mut Setup) -> bool {
 #[tokio::test(start_paused = true)]
 async fn a_hedge_that_loses_while_waiting_gives_its_cap_place_back() {
     let mut s = hedged(capped(2, 10), budget());
-    for _ in 0..6 {
+    for _ in 0..60 {
         s.handle.allow(1);
         let call = start(&mut s, request()).await;
         let (_, a1, _) = next(&mut s.handle).await;
@@ -985,14 +986,14 @@ async fn a_hedge_that_loses_while_waiting_gives_its_cap_place_back() {
         call.await.unwrap().unwrap();
     }
     assert_eq!(s.layer.metrics().hedges(), 0);
-    assert!(next_call_hedges(&mut s).await, "0 hedges in 7 calls");
+    assert!(next_call_hedges(&mut s).await, "0 hedges in 61 calls");
 }
 
 /// So does one still waiting when the caller drops the call.
 #[tokio::test(start_paused = true)]
 async fn a_dropped_call_gives_back_the_cap_places_of_hedges_never_sent() {
     let mut s = hedged(capped(2, 10), budget());
-    for _ in 0..6 {
+    for _ in 0..60 {
         s.handle.allow(1);
         let call = start(&mut s, request()).await;
         let (_, _a1, _) = next(&mut s.handle).await;
@@ -1004,7 +1005,7 @@ async fn a_dropped_call_gives_back_the_cap_places_of_hedges_never_sent() {
     assert_eq!(s.layer.metrics().hedges(), 0, "not one hedge was sent");
     assert!(
         next_call_hedges(&mut s).await,
-        "0 hedges sent in 7 calls under a 5 % cap with 5 saved up: the 7th call is hedged"
+        "0 hedges sent in 61 calls under a 5 % cap with 50 saved up: the 61st call is hedged"
     );
 }
 
@@ -1012,7 +1013,7 @@ async fn a_dropped_call_gives_back_the_cap_places_of_hedges_never_sent() {
 #[tokio::test(start_paused = true)]
 async fn a_call_ended_by_its_deadline_gives_back_the_cap_places_of_hedges_never_sent() {
     let mut s = hedged(capped(2, 10), budget());
-    for _ in 0..6 {
+    for _ in 0..60 {
         s.handle.allow(1);
         let call = start(&mut s, with_timeout(request(), "100m")).await;
         let (_, _a1, _) = next(&mut s.handle).await;
@@ -1022,7 +1023,7 @@ async fn a_call_ended_by_its_deadline_gives_back_the_cap_places_of_hedges_never_
     assert_eq!(s.layer.metrics().hedges(), 0, "not one hedge was sent");
     assert!(
         next_call_hedges(&mut s).await,
-        "0 hedges sent in 7 calls under a 5 % cap with 5 saved up: the 7th call is hedged"
+        "0 hedges sent in 61 calls under a 5 % cap with 50 saved up: the 61st call is hedged"
     );
 }
 

@@ -375,6 +375,7 @@ where
                     May::Capped => {
                         *this.frozen = true;
                         *this.refused = true;
+                        this.shared.metrics.record(Event::HedgeCapped);
                     }
                     May::Wait => {}
                 }
