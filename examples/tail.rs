@@ -109,7 +109,7 @@ impl Row {
             Row::None => "no hedging",
             Row::TowerHedge => "tower::hedge (p95, 1 s)",
             Row::Fixed => "fixed 10 ms",
-            Row::Adaptive => "adaptive (p95, floor 2 ms)",
+            Row::Adaptive => "adaptive (p98, floor 2 ms)",
             Row::Stress => "stress: every call, delay 0",
         }
     }
@@ -215,7 +215,7 @@ fn stack(row: Row, instances: &[Instance]) -> (Boxed, Option<RetryMetrics>) {
         Row::Adaptive => hedged(
             HedgePolicy::new(2, Duration::from_millis(10))
                 .unwrap()
-                .with_adaptive_delay(0.95, Duration::from_secs(10), Duration::from_millis(2))
+                .with_adaptive_delay(0.98, Duration::from_secs(10), Duration::from_millis(2))
                 .unwrap()
                 .with_max_extra_load(Some(0.05))
                 .unwrap(),
