@@ -96,7 +96,7 @@ struct Shared<B> {
     /// Attempts read the body side by side (a hedged call): a later one
     /// being sent does not end an earlier one's reading.
     concurrent: bool,
-    /// The body's size is known and within the limit: its copy can never be
+    /// The body's size is known exactly and within the limit: its copy can never be
     /// dropped for the limit, so another attempt can read it side by side
     /// before it is complete (once the layer's memory is reserved for all
     /// of it).
@@ -299,10 +299,13 @@ impl<B: Body> ReplayBody<B> {
     pub(crate) fn sharing(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self {
         let hint = body.size_hint();
         let capped = hint.lower() > limit as u64;
+        // NOTE: only an exact size: an upper bound may be far above the body
+        // (`Limited` reports its limit), and its whole size is reserved in
+        // the layer's memory before the body is hedged.
         let fits = hint
-            .upper()
-            .filter(|upper| *upper <= limit as u64)
-            .and_then(|upper| usize::try_from(upper).ok());
+            .exact()
+            .filter(|size| *size <= limit as u64)
+            .and_then(|size| usize::try_from(size).ok());
         Self::with_state(body, limit, capped, fits, false, memory)
     }
 

@@ -382,3 +382,164 @@ async fn a_body_of_known_size_is_hedged_with_its_copy_reserved_whole() {
     settle().await;
     assert_eq!(layer.replay_memory_in_use(), 0);
 }
+
+/// A retried call whose body outgrew its replay limit cannot retry: a
+/// pushback past its deadline refuses nothing, and it ends with the last
+/// status.
+#[tokio::test(start_paused = true)]
+async fn a_retried_call_whose_body_cannot_be_resent_ends_with_the_last_status_despite_a_pushback_past_its_deadline()
+ {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_replay_limit(4);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = start(&mut svc, with_timeout(request(), "100m")).await;
+    let (r1, a1, _) = next(&mut handle).await;
+    // The attempt sends its body (10 bytes, over the limit of 4).
+    let sent = r1.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(sent.len(), 10);
+    a1.send_response(unavailable_with_pushback("500"));
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(
+        (code_of(&response), layer.metrics().refused_by_deadline()),
+        (Code::Unavailable, 0),
+        "message: {}",
+        message_of(&response)
+    );
+}
+
+/// Nor can a hedged one hedge: the same.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_whose_body_cannot_be_resent_ends_with_the_last_status_despite_a_pushback_past_its_deadline()
+ {
+    let small = hedge(3, 1000).with_settings_of(&RetryPolicy::default().with_replay_limit(4));
+    let (mut svc, mut handle, layer) = setup(small.into(), budget());
+    let call = start(&mut svc, with_timeout(request(), "100m")).await;
+    let (r1, a1, _) = next(&mut handle).await;
+    // The attempt sends its body (10 bytes, over the limit of 4).
+    let sent = r1.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(sent.len(), 10);
+    a1.send_response(unavailable_with_pushback("500"));
+    let response = call.await.unwrap().unwrap();
+    assert!(handle.next_request().now_or_never().is_none(), "no hedge");
+    let got = (
+        code_of(&response),
+        message_of(&response),
+        layer.metrics().refused_by_deadline(),
+    );
+    assert_eq!(
+        (got.0, got.2),
+        (Code::Unavailable, 0),
+        "caller got {got:?}: (code, message, refused_by_deadline)"
+    );
+}
+
+/// A request whose body's size hint is only an upper bound (`Limited`).
+fn limited_request(payload: &'static [u8], upper: usize) -> Request<Body> {
+    let frames: Vec<Result<http_body::Frame<Bytes>, tonic::Status>> =
+        vec![Ok(http_body::Frame::data(Bytes::from_static(payload)))];
+    let inner = http_body_util::StreamBody::new(tokio_stream::iter(frames));
+    let body = http_body_util::Limited::new(inner, upper);
+    let mut req = with_timeout(request(), "1S");
+    *req.body_mut() = Body::new(body);
+    req
+}
+
+/// An upper bound is not a size: a body whose hint is loose is not taken to
+/// fit, and reserves only what its copy holds (§7b).
+#[tokio::test(start_paused = true)]
+async fn a_loose_size_hint_reserves_no_layer_memory_the_copy_does_not_hold() {
+    let layer = RetryLayer::new(hedge(2, 0), budget()).with_replay_memory(1500);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let first = start(&mut svc, limited_request(b"0123456789", 1000)).await;
+    let (ra1, sa1, _) = next(&mut handle).await;
+    let (ra2, _sa2, _) = next(&mut handle).await;
+    let in_use_after_first = layer.replay_memory_in_use();
+    let second = start(&mut svc, limited_request(b"abcdefghij", 1000)).await;
+    let (rb1, sb1, _) = next(&mut handle).await;
+    settle().await;
+    let second_hedged = handle.next_request().now_or_never().is_some();
+    let too_large = layer.metrics().body_too_large();
+    // Clean up.
+    for r in [ra1, ra2, rb1] {
+        let _ = r.into_body().collect().await;
+    }
+    sa1.send_response(ok());
+    sb1.send_response(ok());
+    let _ = first.await;
+    let _ = second.await;
+    assert_eq!(
+        (second_hedged, too_large),
+        (true, 0),
+        "(second call hedged, body_too_large); layer memory held for the first \
+         call's 10-byte body: {in_use_after_first}"
+    );
+}
+
+/// A hedged call that can hedge no more (its body streams), with one attempt
+/// left, holds no copy of its stream (§7a).
+#[tokio::test(start_paused = true)]
+async fn a_hedged_stream_that_can_hedge_no_more_holds_no_copy() {
+    let (mut svc, mut handle, layer) = setup(hedge(2, 10).into(), budget());
+    let (tx, mut req) = streaming_request();
+    req.headers_mut()
+        .insert("grpc-timeout", HeaderValue::from_static("10S"));
+    let call = start(&mut svc, req).await;
+    let (r1, a1, _) = next(&mut handle).await;
+    let mut body = r1.into_body();
+    tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'x'; 1024]))))
+        .unwrap();
+    assert_eq!(next_data(&mut body).await.len(), 1024);
+    // The hedge is due at 10 ms: the body is a stream, not all there: no
+    // hedge, ever. The call can no longer be hedged nor retried.
+    tokio::time::sleep(50 * MS).await;
+    assert!(handle.next_request().now_or_never().is_none(), "no hedge");
+    // A long client stream goes on through its one attempt.
+    for _ in 0..200 {
+        tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'y'; 1024]))))
+            .unwrap();
+        assert_eq!(next_data(&mut body).await.len(), 1024);
+    }
+    let in_use = layer.replay_memory_in_use();
+    drop(tx);
+    let _ = body.collect().await;
+    a1.send_response(ok());
+    call.await.unwrap().unwrap();
+    assert_eq!(
+        in_use, 0,
+        "bytes of replay memory held by a call that can no longer be hedged or retried"
+    );
+}
+
+/// A proxy's answer handed up as a gRPC status keeps its other headers, every
+/// value of each, and drops what described the page and any status details.
+#[tokio::test(start_paused = true)]
+async fn a_proxy_answer_keeps_every_value_of_a_repeated_header_and_drops_its_details() {
+    let (mut svc, mut handle, _layer) = setup(RetryPolicy::default(), budget());
+    let call = start(&mut svc, request()).await;
+    let (_, a1, _) = next(&mut handle).await;
+    let resp = Response::builder()
+        .status(403)
+        .header("x-instance-id", "a")
+        .header("x-instance-id", "b")
+        .header("x-other", "1")
+        .header("x-instance-id", "c")
+        .header("grpc-status-details-bin", "AAAA")
+        .header("grpc-message", "junk%")
+        .header("content-type", "text/html")
+        .header("content-length", "0")
+        .body(Body::empty())
+        .unwrap();
+    a1.send_response(resp);
+    let response = call.await.unwrap().unwrap();
+    let h = response.headers();
+    let ids: Vec<_> = h.get_all("x-instance-id").iter().collect();
+    assert_eq!(ids, ["a", "b", "c"], "{h:?}");
+    assert_eq!(h.get_all("x-other").iter().count(), 1, "{h:?}");
+    assert!(h.get("grpc-status-details-bin").is_none(), "{h:?}");
+    assert_eq!(h.get_all("content-type").iter().count(), 1, "{h:?}");
+    assert_eq!(h.get_all("grpc-message").iter().count(), 1, "{h:?}");
+    assert!(h.get("content-length").is_none(), "{h:?}");
+    assert_eq!(code_of(&response), Code::PermissionDenied);
+}

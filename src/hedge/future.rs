@@ -253,8 +253,13 @@ where
                             Some(d) if !d.is_zero() => {
                                 let at = Instant::now() + d;
                                 // Refused by the deadline only if a hedge
-                                // could still go.
-                                let more = !*this.frozen && *this.started < policy.max_attempts;
+                                // could still go, its body included.
+                                let more = !*this.frozen
+                                    && *this.started < policy.max_attempts
+                                    && this
+                                        .template
+                                        .as_ref()
+                                        .is_some_and(|t| t.body().whole().is_ok());
                                 if more && this.deadline.is_some_and(|end| at >= end) {
                                     *this.frozen = true;
                                     *this.refused = true;
@@ -379,6 +384,16 @@ where
                     }
                     May::Wait => {}
                 }
+            }
+
+            // No more hedges, and one attempt left, sent: the copy goes once
+            // it has read past it, and nothing more is copied (§7a).
+            if *this.frozen
+                && let [last] = this.inflight.as_slice()
+                && last.future.is_sent()
+                && let Some(template) = this.template.take()
+            {
+                template.body().release_to(last.number);
             }
 
             if this.inflight.is_empty() {
