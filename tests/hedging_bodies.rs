@@ -203,15 +203,7 @@ async fn a_503_marked_do_not_retry_keeps_its_mark_when_retried() {
     let response = call.await.unwrap().unwrap();
     assert_eq!(layer.metrics().retried_below(), 1, "not retried here");
     assert_eq!(code_of(&response), Code::Unavailable);
-    assert_eq!(
-        response
-            .headers()
-            .get("grpc-retry-pushback-ms")
-            .map(|v| v.to_str().unwrap().to_owned()),
-        Some("-1".to_owned()),
-        "the do-not-retry mark handed up; headers: {:?}",
-        response.headers()
-    );
+    assert_marked(&response);
 }
 
 #[tokio::test(start_paused = true)]
@@ -226,12 +218,15 @@ async fn a_503_marked_do_not_retry_keeps_its_mark_when_hedged() {
         handle.next_request().now_or_never().is_none(),
         "not hedged: the mark stops hedges"
     );
+    assert_marked(&response);
+}
+
+/// The "do not retry" mark is on what is handed up.
+fn assert_marked<B>(response: &Response<B>) {
+    let mark = response.headers().get("grpc-retry-pushback-ms");
     assert_eq!(
-        response
-            .headers()
-            .get("grpc-retry-pushback-ms")
-            .map(|v| v.to_str().unwrap().to_owned()),
-        Some("-1".to_owned()),
+        mark.map(|v| v.to_str().unwrap()),
+        Some("-1"),
         "the do-not-retry mark handed up; headers: {:?}",
         response.headers()
     );
