@@ -62,8 +62,10 @@ struct CallState {
     retried: bool,
 }
 
+/// How the last failed attempt of a call ended: what its caller gets if no
+/// attempt after it answers (retries and hedges alike).
 #[derive(Clone, Debug)]
-enum Last {
+pub(crate) enum Last {
     /// A response, kept as the server sent it (headers only: it was a
     /// Trailers-Only status or an HTTP error).
     Response {
@@ -72,6 +74,38 @@ enum Last {
     },
     /// A status the layer read from an attempt without a response.
     Status { code: Code, message: String },
+}
+
+impl Last {
+    /// The code the attempt ended with.
+    pub(crate) fn code(&self) -> Code {
+        match self {
+            Last::Response { status, headers } => {
+                classify_response(*status, headers, Default::default()).code()
+            }
+            Last::Status { code, .. } => *code,
+        }
+    }
+
+    /// The response the caller gets for it: the server's headers, repaired,
+    /// and a proxy's answer as the gRPC status it maps to.
+    pub(crate) fn into_response<RB>(self) -> Response<ResponseBody<RB>> {
+        let code = self.code();
+        match self {
+            Last::Response {
+                status,
+                mut headers,
+            } => {
+                repair_status_details(&mut headers);
+                let mut response = Response::new(ResponseBody::empty());
+                *response.status_mut() = status;
+                *response.headers_mut() = headers;
+                as_grpc_status(&mut response, code);
+                response
+            }
+            Last::Status { message, .. } => status_response(code, message),
+        }
+    }
 }
 
 // Not derived: the budget itself need not be `Clone`, it is shared.
@@ -313,21 +347,7 @@ impl CallState {
                 format!("the service failed before the call could be sent: {error}"),
             );
         };
-        match *last {
-            Last::Response {
-                status,
-                mut headers,
-            } => {
-                repair_status_details(&mut headers);
-                let code = classify_response(status, &headers, Default::default()).code();
-                let mut response = Response::new(ResponseBody::empty());
-                *response.status_mut() = status;
-                *response.headers_mut() = headers;
-                as_grpc_status(&mut response, code);
-                response
-            }
-            Last::Status { code, message } => status_response(code, message),
-        }
+        last.into_response()
     }
 
     /// What the caller is told the call ended with: the last attempt sent,
@@ -346,13 +366,9 @@ impl CallState {
 
     /// The name of the last failed attempt's code, for messages.
     fn last_code(&self) -> &'static str {
-        match self.last.as_deref() {
-            Some(Last::Response { status, headers }) => {
-                code_name(classify_response(*status, headers, Default::default()).code())
-            }
-            Some(Last::Status { code, .. }) => code_name(*code),
-            None => "-",
-        }
+        self.last
+            .as_deref()
+            .map_or("-", |last| code_name(last.code()))
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tonic::Code;
@@ -23,7 +23,7 @@ use crate::attempt::{Attempt, AttemptFuture, Cut, Failure};
 use crate::body::{Credit, ResponseBody};
 use crate::budget::Budget;
 use crate::call::{
-    failure_response, mark_given_up, no_response_message, not_replayable, previous_attempts,
+    Last, failure_response, mark_given_up, no_response_message, not_replayable, previous_attempts,
 };
 use crate::classify::{
     Verdict, classify_error, classify_response, describe, repair_status_details,
@@ -47,19 +47,6 @@ struct InFlight<F> {
     slot: Slot,
     /// When it was started, for the adaptive delay.
     started: Instant,
-}
-
-/// How the last attempt that failed non-fatally ended: what the caller gets
-/// if no attempt commits.
-enum Last {
-    Response {
-        status: StatusCode,
-        headers: HeaderMap,
-    },
-    Status {
-        code: Code,
-        message: String,
-    },
 }
 
 pin_project! {
@@ -675,34 +662,14 @@ fn give_up<RB, Bu>(
     // DEADLINE_EXCEEDED, naming how the last one ended, as a retried call
     // does (§3, §3a).
     let mut response = match last {
-        Some(last) if out_of_time => {
-            let code = match &last {
-                Last::Response { status, headers } => {
-                    classify_response(*status, headers, Default::default()).code()
-                }
-                Last::Status { code, .. } => *code,
-            };
-            status_response(
-                Code::DeadlineExceeded,
-                format!(
-                    "no time left for another attempt; attempt {sent} ended with {}",
-                    code_name(code)
-                ),
-            )
-        }
-        Some(Last::Response {
-            status,
-            mut headers,
-        }) => {
-            repair_status_details(&mut headers);
-            let code = classify_response(status, &headers, Default::default()).code();
-            let mut response = Response::new(ResponseBody::empty());
-            *response.status_mut() = status;
-            *response.headers_mut() = headers;
-            as_grpc_status(&mut response, code);
-            response
-        }
-        Some(Last::Status { code, message }) => status_response(code, message),
+        Some(last) if out_of_time => status_response(
+            Code::DeadlineExceeded,
+            format!(
+                "no time left for another attempt; attempt {sent} ended with {}",
+                code_name(last.code())
+            ),
+        ),
+        Some(last) => last.into_response(),
         None => match unsent {
             Some(Failure::Cut { why, .. }) => status_response(
                 Code::DeadlineExceeded,
