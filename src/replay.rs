@@ -96,13 +96,11 @@ struct Shared<B> {
     /// Attempts read the body side by side (a hedged call): a later one
     /// being sent does not end an earlier one's reading.
     concurrent: bool,
-    /// The body's size is known exactly and within the limit: its copy can never be
-    /// dropped for the limit, so another attempt can read it side by side
-    /// before it is complete (once the layer's memory is reserved for all
-    /// of it).
-    fits: bool,
-    /// The most the body's size hint says it holds (if it fits).
-    hint: usize,
+    /// The body's size, when it is known exactly and within the limit: its
+    /// copy can never be dropped for the limit, so another attempt can read
+    /// it side by side before it is complete (once the layer's memory is
+    /// reserved for all of it).
+    fits: Option<usize>,
     ended: bool,
     failed: bool,
     /// The caller's body once answered `Pending`: it is not all there.
@@ -297,16 +295,7 @@ impl<B: Body> ReplayBody<B> {
     /// Wraps `body` as [`new`](Self::new) does, its copy also counted in
     /// `memory`, which the copies of other calls share.
     pub(crate) fn sharing(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self {
-        let hint = body.size_hint();
-        let capped = hint.lower() > limit as u64;
-        // NOTE: only an exact size: an upper bound may be far above the body
-        // (`Limited` reports its limit), and its whole size is reserved in
-        // the layer's memory before the body is hedged.
-        let fits = hint
-            .exact()
-            .filter(|size| *size <= limit as u64)
-            .and_then(|size| usize::try_from(size).ok());
-        Self::with_state(body, limit, capped, fits, false, memory)
+        Self::copying(body, limit, memory, None)
     }
 
     /// As [`sharing`](Self::sharing), for a hedged call: a hedge due before
@@ -316,23 +305,39 @@ impl<B: Body> ReplayBody<B> {
         B: Body<Data = Bytes> + Unpin,
         B::Error: Into<BoxError>,
     {
-        let body = Self::sharing(body, limit, memory);
-        body.lock().pull = Some(pull::<B>);
-        body
+        Self::copying(body, limit, memory, Some(pull::<B>))
+    }
+
+    fn copying(
+        body: B,
+        limit: usize,
+        memory: Option<Arc<ReplayMemory>>,
+        pull: Option<Pull<B>>,
+    ) -> Self {
+        let hint = body.size_hint();
+        let capped = hint.lower() > limit as u64;
+        // NOTE: only an exact size: an upper bound may be far above the body
+        // (`Limited` reports its limit), and its whole size is reserved in
+        // the layer's memory before the body is hedged.
+        let fits = hint
+            .exact()
+            .filter(|size| *size <= limit as u64)
+            .and_then(|size| usize::try_from(size).ok());
+        Self::with_state(body, limit, (capped, fits), false, memory, pull)
     }
 
     /// Wraps `body` for a call that will never be retried: nothing is copied.
     pub(crate) fn unreplayable(body: B) -> Self {
-        Self::with_state(body, 0, false, None, true, None)
+        Self::with_state(body, 0, (false, None), true, None, None)
     }
 
     fn with_state(
         body: B,
         limit: usize,
-        capped: bool,
-        fits: Option<usize>,
+        (capped, fits): (bool, Option<usize>),
         final_attempt: bool,
         memory: Option<Arc<ReplayMemory>>,
+        pull: Option<Pull<B>>,
     ) -> Self {
         ReplayBody {
             shared: Arc::new(Mutex::new(Shared {
@@ -351,15 +356,14 @@ impl<B: Body> ReplayBody<B> {
                 released: final_attempt,
                 stalled: false,
                 concurrent: false,
-                fits: fits.is_some(),
-                hint: fits.unwrap_or(0),
+                fits,
                 ended: false,
                 failed: false,
                 trailers: None,
                 waiting: Vec::new(),
                 picked: None,
                 hedge_epochs: [UNSENT; 5],
-                pull: None,
+                pull,
                 over: false,
                 error: None,
             })),
@@ -519,12 +523,11 @@ impl<B> ReplayBody<B> {
         if shared.ended {
             return Poll::Ready(true);
         }
-        if shared.fits {
+        if let Some(size) = shared.fits {
             // Attempts read it side by side before it is complete: the
             // layer's memory must hold all of it, or the copy could be
             // dropped under a later attempt's reading.
-            let hint = shared.hint;
-            if shared.reserve(hint) {
+            if shared.reserve(size) {
                 return Poll::Ready(true);
             }
             shared.cap(Cap::Layer);
