@@ -572,7 +572,10 @@ where
             sent,
         };
         let decision = state.decide(shared, policy, outcome);
-        shared.budget_moved();
+        // A committed response moves the budget later, with its trailers.
+        if verdict != Verdict::Committed {
+            shared.budget_moved();
+        }
         let attempt = state.made;
         let name = code_name(verdict.code());
         // Retry at one layer: a call given up on after retrying, or refused a

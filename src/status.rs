@@ -90,19 +90,19 @@ pub(crate) fn as_grpc_status<B: Default>(response: &mut Response<B>, code: Code)
     *response = status_response(code, message);
     // NOTE: a header map's iterator names each value's header only at the
     // first of its values.
+    // What described the page, or a status that is not one.
+    let replaced = [
+        http::header::CONTENT_TYPE,
+        http::header::CONTENT_LENGTH,
+        GRPC_MESSAGE,
+        GRPC_STATUS_DETAILS,
+    ];
     let mut name = None;
     for (next, value) in headers {
         if next.is_some() {
             name = next;
         }
         let Some(name) = &name else { continue };
-        // What described the page, or a status that is not one.
-        let replaced = [
-            http::header::CONTENT_TYPE,
-            http::header::CONTENT_LENGTH,
-            GRPC_MESSAGE,
-            GRPC_STATUS_DETAILS,
-        ];
         if !replaced.contains(name) {
             response.headers_mut().append(name.clone(), value);
         }
