@@ -534,3 +534,26 @@ async fn a_proxy_answer_keeps_every_value_of_a_repeated_header_and_drops_its_det
     assert!(h.get("content-length").is_none(), "{h:?}");
     assert_eq!(code_of(&response), Code::PermissionDenied);
 }
+
+/// A hedge that loses is drained, not reset: its request body must still be
+/// there to send after another attempt committed, or the transport fails the
+/// body and resets the stream after all (§13: "Cancelled losers never cost
+/// a connection").
+#[tokio::test(start_paused = true)]
+async fn a_loser_that_has_yet_to_send_its_body_sends_it_whole_after_the_commit() {
+    let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
+    let call = start(&mut svc, with_timeout(request(), "1S")).await;
+    let (r1, a1, _) = next(&mut handle).await;
+    let (r2, _a2, _) = next(&mut handle).await;
+    let first = r1.into_body().collect().await.unwrap().to_bytes();
+    a1.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the loser drains");
+    let second = r2.into_body().collect().await.map(|c| c.to_bytes());
+    assert_eq!(
+        second.as_ref().ok(),
+        Some(&first),
+        "the loser's body: {second:?}"
+    );
+}

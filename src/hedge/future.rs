@@ -212,21 +212,28 @@ where
                 );
                 match judged {
                     Judged::Commit(response) => {
-                        // Nothing more is copied, and the copy goes once the
-                        // winner has read past it (§7).
-                        if let Some(template) = this.template.as_ref() {
-                            template.body().release_to(done.number);
-                        }
                         // The others are drained, not reset (see
-                        // `crate::drain`); dropping the template lets the
-                        // body's copy go once the winner has sent it.
+                        // `crate::drain`).
+                        let mut drained = false;
                         for loser in this.inflight.drain(..) {
                             let mut future = loser.future;
-                            if !future.as_mut().abandon() {
+                            if future.as_mut().abandon() {
+                                drained = true;
+                            } else {
                                 plan.never_sent(loser.number);
                             }
                         }
-                        *this.template = None;
+                        // Nothing more is copied, and the copy goes once the
+                        // winner has read past it (§7a) — unless a loser
+                        // being drained may still have to send the body:
+                        // failing it would reset the loser's stream after
+                        // all. Its copy then goes with the last clone, when
+                        // the drains end (bounded by the deadline).
+                        if let Some(template) = this.template.take()
+                            && !drained
+                        {
+                            template.body().release_to(done.number);
+                        }
                         return Poll::Ready(response);
                     }
                     Judged::NonFatal { delay, stop } => {
