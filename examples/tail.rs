@@ -1,4 +1,4 @@
-//! `cargo run --release --example tail [-- RUNS]`
+//! `cargo run --release --example tail [-- RUNS [ROW...]]`
 //!
 //! The tail-latency benchmark of hedging. Three `Library` instances on
 //! loopback whose answers take 1 ms (98 % of calls), 50 ms (1.5 %) or 200 ms
@@ -12,7 +12,12 @@
 //! calls), failed calls, and connections the servers accepted beyond the
 //! three each row opens (a connection the client lost, to h2's reset
 //! guards or anything else, is reopened and counted here), and for the
-//! layer's rows the hedges its extra-load cap refused.
+//! layer's rows the hedges its extra-load cap refused, and the longest
+//! pause of the runtime in the row (a 1 ms timer's lateness: a pause holds
+//! every call in flight, whatever the client does).
+//!
+//! `ROW` runs only the rows named (`none`, `tower`, `fixed`, `adaptive`,
+//! `stress`), e.g. `-- 30 adaptive` to look at one row's spread.
 
 #[path = "../tests/common/library.rs"]
 mod library;
@@ -104,6 +109,26 @@ enum Row {
 }
 
 impl Row {
+    const ALL: [Row; 5] = [
+        Row::None,
+        Row::TowerHedge,
+        Row::Fixed,
+        Row::Adaptive,
+        Row::Stress,
+    ];
+
+    /// The row a command-line argument names.
+    fn parse(arg: &str) -> Option<Row> {
+        Some(match arg {
+            "none" => Row::None,
+            "tower" => Row::TowerHedge,
+            "fixed" => Row::Fixed,
+            "adaptive" => Row::Adaptive,
+            "stress" => Row::Stress,
+            _ => return None,
+        })
+    }
+
     fn name(self) -> &'static str {
         match self {
             Row::None => "no hedging",
@@ -238,6 +263,22 @@ struct RowResult {
     reconnects: u64,
     /// Hedges the extra-load cap refused (the layer's rows).
     capped: Option<u64>,
+    /// The longest a 1 ms timer fired late in the row: how long the runtime
+    /// (or the machine) kept every task waiting at once. No client's p99.9
+    /// can be below a pause that held all 32 calls in flight.
+    stall: Duration,
+}
+
+/// Sleeps 1 ms at a time until `done`, and returns the most any sleep
+/// overran it by.
+async fn probe(done: Arc<std::sync::atomic::AtomicBool>) -> Duration {
+    let mut worst = Duration::ZERO;
+    while !done.load(Ordering::Relaxed) {
+        let asked = Instant::now() + Duration::from_millis(1);
+        tokio::time::sleep_until(asked.into()).await;
+        worst = worst.max(Instant::now().saturating_duration_since(asked));
+    }
+    worst
 }
 
 async fn run_row(row: Row) -> RowResult {
@@ -247,6 +288,8 @@ async fn run_row(row: Row) -> RowResult {
         instance("c").await,
     ];
     let (stack, metrics) = stack(row, &instances);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = tokio::spawn(probe(Arc::clone(&done)));
     let client = LibraryClient::new(stack);
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
@@ -277,6 +320,8 @@ async fn run_row(row: Row) -> RowResult {
         latencies.extend(l);
         failed += f;
     }
+    done.store(true, Ordering::Relaxed);
+    let stall = prober.await.unwrap();
     let requests: u64 = instances.iter().map(|i| i.faults.requests()).sum();
     let accepted: u64 = instances
         .iter()
@@ -288,6 +333,7 @@ async fn run_row(row: Row) -> RowResult {
         extra: requests as f64 / CALLS as f64 - 1.0,
         reconnects: accepted.saturating_sub(instances.len() as u64),
         capped: metrics.map(|m| m.hedges_capped()),
+        stall,
     }
 }
 
@@ -309,32 +355,36 @@ fn ms(d: Duration) -> String {
 
 #[tokio::main]
 async fn main() {
-    let runs: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(1);
+    let mut args = std::env::args().skip(1);
+    let runs: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1);
+    let mut rows: Vec<Row> = args
+        .map(|a| {
+            Row::parse(&a).unwrap_or_else(|| {
+                eprintln!("no row named {a:?}: none, tower, fixed, adaptive or stress");
+                std::process::exit(2)
+            })
+        })
+        .collect();
+    if rows.is_empty() {
+        rows = Row::ALL.to_vec();
+    }
     println!(
         "{CALLS} calls, {TASKS} tasks, three loopback instances answering in 1 ms (98 %), 50 ms (1.5 %), 200 ms (0.5 %); tonic's default settings"
     );
     for run in 1..=runs {
         println!("\nrun {run}");
         println!(
-            "  {:<30} {:>26}   {:>26}   {:>7} {:>7} {:>11} {:>7}",
+            "  {:<30} {:>26}   {:>26}   {:>7} {:>7} {:>11} {:>7} {:>9}",
             "",
             "whole run p50/p99/p99.9 ms",
             "after 1 s p50/p99/p99.9 ms",
             "extra",
             "failed",
             "reconnects",
-            "capped"
+            "capped",
+            "stall ms"
         );
-        for row in [
-            Row::None,
-            Row::TowerHedge,
-            Row::Fixed,
-            Row::Adaptive,
-            Row::Stress,
-        ] {
+        for &row in &rows {
             let result = run_row(row).await;
             let whole = percentiles(result.latencies.iter().map(|(_, l)| *l).collect());
             let after = percentiles(
@@ -347,14 +397,15 @@ async fn main() {
             );
             let show = |p: [Duration; 3]| format!("{} / {} / {}", ms(p[0]), ms(p[1]), ms(p[2]));
             println!(
-                "  {:<30} {:>26}   {:>26}   {:>6.2}% {:>7} {:>11} {:>7}",
+                "  {:<30} {:>26}   {:>26}   {:>6.2}% {:>7} {:>11} {:>7} {:>9}",
                 row.name(),
                 show(whole),
                 show(after),
                 result.extra * 100.0,
                 result.failed,
                 result.reconnects,
-                result.capped.map_or("-".to_owned(), |c| c.to_string())
+                result.capped.map_or("-".to_owned(), |c| c.to_string()),
+                ms(result.stall)
             );
         }
     }
