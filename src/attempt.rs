@@ -167,6 +167,10 @@ where
     /// through `first`, which the caller's `poll_ready` made ready if `ready`.
     /// A hedging policy's one call from tower's `Retry` starts the hedge
     /// driver, which makes the call's attempts through a plain copy of this.
+    // NOTE: inlined whatever features are compiled: with `opentelemetry`
+    // the caller grew past the inliner's limit and this went out of line,
+    // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
+    #[inline(always)]
     pub(crate) fn new(
         first: S,
         ready: bool,

@@ -182,6 +182,10 @@ impl<B: Body + 'static> Body for ResponseBody<B> {
     type Data = B::Data;
     type Error = B::Error;
 
+    // NOTE: inlined whatever features are compiled: with `opentelemetry`
+    // the caller grew past the inliner's limit and this went out of line,
+    // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
+    #[inline]
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -682,6 +682,10 @@ where
 
 /// The call ends with `result`: marked "do not retry" for the layers above
 /// if `marked`, and the replay copy released.
+// NOTE: inlined whatever features are compiled: with `opentelemetry`
+// the caller grew past the inliner's limit and this went out of line,
+// a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
+#[inline(always)]
 fn end_call<B, RB>(
     req: &Request<ReplayBody<B>>,
     result: &mut Result<Response<ResponseBody<RB>>, Failure>,
