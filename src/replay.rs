@@ -68,6 +68,19 @@ pub struct ReplayBody<B> {
 /// The epoch of a clone that was never sent.
 const UNSENT: u32 = u32::MAX;
 
+/// A hedged call's attempt `number` (1 to 5), or 0 for none.
+fn attempt_number(number: u32) -> u8 {
+    u8::try_from(number)
+        .ok()
+        .filter(|n| (1..=5).contains(n))
+        .unwrap_or(0)
+}
+
+/// The bit of attempt `number` (1 to 5) in a mask of attempts; 0 for none.
+fn attempt_bit(number: u8) -> u8 {
+    number.checked_sub(1).map_or(0, |i| 1 << i)
+}
+
 struct Shared<B> {
     /// The caller's body, while it has more to give.
     source: Option<B>,
@@ -111,8 +124,19 @@ struct Shared<B> {
     /// The instance a balancer below reported for the current attempt
     /// (see [`PickedInstance`]): every attempt's request carries this state.
     picked: Option<HeaderValue>,
-    /// A hedged call's attempts 1 to 5: the epoch each was sent as.
+    /// A hedged call's attempts 1 to 5: the epoch each was sent as, and
+    /// how far each has read.
     hedge_epochs: [u32; 5],
+    hedge_pos: [usize; 5],
+    /// A hedged call's attempts whose clone is alive (bit `n - 1` for
+    /// attempt `n`).
+    alive: u8,
+    /// Losers being drained after the commit whose clone is alive: their
+    /// transport may still have to send the body, so it is kept for them.
+    lingering: u8,
+    /// The attempt the call committed to while losers linger: the copy is
+    /// released to it when the last of them goes.
+    heir: u8,
     /// For a hedged call: reads the caller's body, so that a hedge due
     /// before the first attempt has read it can read it ahead (proven where
     /// the layer's service is made, as the service's other conversions).
@@ -363,6 +387,10 @@ impl<B: Body> ReplayBody<B> {
                 waiting: Vec::new(),
                 picked: None,
                 hedge_epochs: [UNSENT; 5],
+                hedge_pos: [0; 5],
+                alive: 0,
+                lingering: 0,
+                heir: 0,
                 pull,
                 over: false,
                 error: None,
@@ -464,20 +492,36 @@ impl<B> ReplayBody<B> {
 
     /// Numbers this clone as attempt `number` of a hedged call.
     pub(crate) fn set_attempt(&mut self, number: u32) {
-        self.attempt = u8::try_from(number).ok().filter(|n| *n <= 5).unwrap_or(0);
+        self.attempt = attempt_number(number);
+        if self.attempt != 0 {
+            self.lock().alive |= attempt_bit(self.attempt);
+        }
     }
 
     /// A hedged call committed to its attempt `number`: as [`release`](Self::release),
     /// for that attempt, whichever was sent last. (A first attempt sent at
     /// once keeps the epoch of a clone not sent; no other reader has it.)
     pub(crate) fn release_to(&self, number: u32) {
+        self.release_after_drains(number, &[]);
+    }
+
+    /// A hedged call committed to its attempt `number` while the attempts
+    /// `drained` are drained: as [`release_to`](Self::release_to), once the
+    /// last of those has let its clone go. Until then the body is kept for
+    /// them: a drained loser's transport may have yet to send it, and
+    /// failing it would reset that loser's stream after all.
+    pub(crate) fn release_after_drains(&self, number: u32, drained: &[u32]) {
         let mut shared = self.lock();
-        let epoch = usize::try_from(number)
-            .ok()
-            .and_then(|n| n.checked_sub(1))
-            .and_then(|i| shared.hedge_epochs.get(i).copied())
-            .unwrap_or(UNSENT);
-        shared.finalize(epoch);
+        let number = attempt_number(number);
+        let drained = drained
+            .iter()
+            .fold(0u8, |mask, n| mask | attempt_bit(attempt_number(*n)));
+        shared.lingering = drained & shared.alive & !attempt_bit(number);
+        if shared.lingering == 0 {
+            shared.release_to_attempt(number);
+        } else {
+            shared.heir = number;
+        }
     }
 
     /// Takes the instance a balancer reported for the last attempt, leaving
@@ -634,6 +678,33 @@ impl<B> Shared<B> {
         }
     }
 
+    /// A hedged call's attempt `number` (0: none sent) is the only one that
+    /// may read from now on; the copy goes as soon as it has replayed it.
+    fn release_to_attempt(&mut self, number: u8) {
+        let Some(i) = number.checked_sub(1).map(usize::from) else {
+            return self.finalize(UNSENT);
+        };
+        let epoch = self.hedge_epochs[i];
+        self.only = Some(epoch);
+        if self.hedge_pos[i] >= self.read || (self.live == epoch && self.live_pos >= self.read) {
+            self.drop_copy();
+        }
+    }
+
+    /// The clone of a hedged call's attempt `number` is gone: if it was the
+    /// last loser the body was kept for, the copy goes to the winner.
+    fn gone(&mut self, number: u8) {
+        let bit = attempt_bit(number);
+        self.alive &= !bit;
+        if self.lingering & bit != 0 {
+            self.lingering &= !bit;
+            if self.lingering == 0 {
+                let heir = std::mem::take(&mut self.heir);
+                self.release_to_attempt(heir);
+            }
+        }
+    }
+
     /// Only the clone sent as `epoch` may read from now on; the copy goes
     /// as soon as that clone has replayed it.
     fn finalize(&mut self, epoch: u32) {
@@ -682,7 +753,10 @@ impl<B> Shared<B> {
     }
 
     /// Notes that the clone sent as `epoch` has read up to `pos`.
-    fn advanced(&mut self, epoch: u32, pos: usize) {
+    fn advanced(&mut self, (epoch, attempt): (u32, u8), pos: usize) {
+        if let Some(i) = attempt.checked_sub(1) {
+            self.hedge_pos[usize::from(i)] = pos;
+        }
         if epoch == self.live {
             self.live_pos = pos;
         }
@@ -794,10 +868,10 @@ where
             }
             let chunk = shared.chunks.get(this.pos).clone();
             this.pos += 1;
-            shared.advanced(this.epoch, this.pos);
+            shared.advanced((this.epoch, this.attempt), this.pos);
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
-        shared.advanced(this.epoch, this.pos);
+        shared.advanced((this.epoch, this.attempt), this.pos);
         if shared.failed {
             let error = shared
                 .error
@@ -841,7 +915,7 @@ where
                 Ok(chunk) => {
                     shared.keep(&chunk);
                     this.pos += 1;
-                    shared.advanced(this.epoch, this.pos);
+                    shared.advanced((this.epoch, this.attempt), this.pos);
                     Some(Ok(Frame::data(chunk)))
                 }
                 Err(frame) => match frame.into_trailers() {
@@ -918,9 +992,16 @@ impl<B> Drop for ReplayBody<B> {
         // poll the source themselves now. A clone the source never answered
         // `Pending` holds no waker of the source's: nothing to hand over, and
         // no lock to take (the common case: a unary body, read at once).
-        if self.waited {
+        // A hedged call's attempt also says it is gone: a loser being
+        // drained may be the last the copy is kept for.
+        if self.waited || self.attempt != 0 {
             let mut shared = self.lock();
-            shared.wake_waiting();
+            if self.attempt != 0 {
+                shared.gone(self.attempt);
+            }
+            if self.waited {
+                shared.wake_waiting();
+            }
         }
     }
 }

@@ -682,3 +682,44 @@ async fn a_hedge_refused_by_the_deadline_is_counted_as_a_retry_is() {
         );
     }
 }
+
+/// Ends one call with a Trailers-Only OK and returns (budget balance,
+/// gauge) afterwards.
+async fn balance_and_gauge(policy: MethodPolicies) -> (f64, f64) {
+    let exported = Exported::new();
+    let layer = RetryLayer::new(policy, budget()).with_grpc_metrics(named(&exported));
+    let (inner, mut handle) = mock::pair();
+    let mut svc = layer.layer(inner);
+    let c = call(&mut svc, request()).await;
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&c.await.unwrap().unwrap()), Code::Ok);
+    let balance = layer.budget().available();
+    let got = exported.collect();
+    let gauge = got.point("tonic_retry.budget.tokens", &[TARGET]).sum;
+    (balance, gauge)
+}
+
+/// A retried call's Trailers-Only OK deposits, and the gauge says so.
+#[tokio::test(start_paused = true)]
+async fn a_retried_calls_trailers_only_ok_moves_the_gauge() {
+    let (balance, gauge) = balance_and_gauge(RetryPolicy::default().into()).await;
+    assert!((balance - 100.1).abs() < 1e-9, "{balance}");
+    assert!(
+        (gauge - balance).abs() < 1e-9,
+        "gauge {gauge}, balance {balance}"
+    );
+}
+
+/// §14: the budget's balance gauge. A hedged call whose first attempt ends
+/// with a Trailers-Only OK deposits (§4), and the gauge says so too.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_calls_trailers_only_ok_moves_the_gauge() {
+    let hedge = HedgePolicy::new(2, Duration::from_millis(50)).unwrap();
+    let (balance, gauge) = balance_and_gauge(RetryPolicy::from(hedge).into()).await;
+    assert!((balance - 100.1).abs() < 1e-9, "{balance}");
+    assert!(
+        (gauge - balance).abs() < 1e-9,
+        "gauge {gauge}, balance {balance}"
+    );
+}

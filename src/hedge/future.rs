@@ -214,25 +214,27 @@ where
                     Judged::Commit(response) => {
                         // The others are drained, not reset (see
                         // `crate::drain`).
-                        let mut drained = false;
+                        let mut drained = [0u32; 5];
+                        let mut count = 0;
                         for loser in this.inflight.drain(..) {
                             let mut future = loser.future;
                             if future.as_mut().abandon() {
-                                drained = true;
+                                if let Some(slot) = drained.get_mut(count) {
+                                    *slot = loser.number;
+                                    count += 1;
+                                }
                             } else {
                                 plan.never_sent(loser.number);
                             }
                         }
                         // Nothing more is copied, and the copy goes once the
-                        // winner has read past it (§7a) — unless a loser
-                        // being drained may still have to send the body:
-                        // failing it would reset the loser's stream after
-                        // all. Its copy then goes with the last clone, when
-                        // the drains end (bounded by the deadline).
-                        if let Some(template) = this.template.take()
-                            && !drained
-                        {
-                            template.body().release_to(done.number);
+                        // winner has read past it (§7a) — once the losers
+                        // being drained are done with it: one may still have
+                        // to send the body, and failing it would reset its
+                        // stream after all. The drains end by the deadline.
+                        if let Some(template) = this.template.take() {
+                            let body = template.body();
+                            body.release_after_drains(done.number, &drained[..count]);
                         }
                         return Poll::Ready(response);
                     }
@@ -610,6 +612,7 @@ fn judge<RB, Bu: Budget>(
             } else {
                 if code == Code::Ok {
                     Budget::deposit(&shared.budget);
+                    shared.budget_moved();
                 }
                 repair_status_details(response.headers_mut());
                 as_grpc_status(&mut response, code);
