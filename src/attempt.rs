@@ -37,7 +37,7 @@ use crate::drain::{Drain, Drainer};
 use crate::hedge::HedgeFuture;
 use crate::marks::AlreadyTried;
 use crate::metrics::{Event, RetryMetrics};
-use crate::replay::{ReplayBody, ReplayError};
+use crate::replay::{Lingering, ReplayBody, ReplayError};
 use crate::shared::Shared;
 use crate::status::{GRPC_STATUS, code_at_headers};
 use crate::trace::{AttemptTrace, Trace};
@@ -276,10 +276,11 @@ where
         let cut = self.limits.cut_from_now();
         let deadline = self.limits.deadline;
         let first = std::mem::take(&mut self.first);
-        let drain = self.drainable.then(|| DrainWith {
+        let mut drain = self.drainable.then(|| DrainWith {
             drainer: self.drain,
             metrics: self.shared.metrics.clone(),
             cancel: self.cancel.clone(),
+            body: None,
         });
         if first && std::mem::take(&mut self.ready) {
             // The first attempt, on the instance the caller readied: sent now.
@@ -292,6 +293,9 @@ where
                 set_timeout(&mut req, deadline, now);
             }
             let traced = self.trace.attempt();
+            if let Some(drain) = drain.as_mut() {
+                drain.body = req.body().lingering();
+            }
             let future = self.inner.call(req.map(B::from));
             let into_box = self.into_box;
             // NOTE: each return builds the future where it goes: one chosen
@@ -429,15 +433,18 @@ struct DrainWith<F> {
     drainer: Drainer<F>,
     metrics: RetryMetrics,
     cancel: Option<CancellationToken>,
+    /// A retried call's attempt: its body may be read on while it drains.
+    body: Option<Lingering>,
 }
 
 impl<F> DrainWith<F> {
     /// Drains `future`, the attempt of a call with `deadline`.
-    fn hand(&self, future: Pin<Box<F>>, deadline: Option<Instant>) {
+    fn hand(&mut self, future: Pin<Box<F>>, deadline: Option<Instant>) {
         let drain = Drain {
             deadline,
             metrics: self.metrics.clone(),
             cancel: self.cancel.clone(),
+            body: self.body.take().map(Lingering::drain),
         };
         (self.drainer)(future, drain);
     }
@@ -625,6 +632,9 @@ where
                                         }
                                     }
                                     *this.traced = trace.attempt();
+                                    if let Some(drain) = drain.as_mut() {
+                                        drain.body = req.body().lingering();
+                                    }
                                     let future = service.call(req.map(B::from));
                                     let drain = drain.take();
                                     this.state.set(called(future, drain));

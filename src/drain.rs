@@ -31,6 +31,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::metrics::{Event, RetryMetrics};
+use crate::replay::DrainGuard;
 
 /// The longest an attempt is drained when its call has no deadline.
 pub(crate) const DRAIN_TIME: Duration = Duration::from_secs(10);
@@ -56,6 +57,8 @@ pub(crate) struct Drain {
     /// Cancelled if the caller drops the call before it ends: the attempt is
     /// then dropped (reset) at once, as the call's other attempts are.
     pub(crate) cancel: Option<CancellationToken>,
+    /// The attempt's request body, which it may read on while drained.
+    pub(crate) body: Option<DrainGuard>,
 }
 
 /// The [`Drainer`] for services whose futures and response bodies can be
@@ -69,6 +72,7 @@ where
         deadline,
         metrics,
         cancel,
+        body,
     } = drain;
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         metrics.record(Event::DrainRefused);
@@ -93,6 +97,7 @@ where
             metrics,
             ended: false,
         },
+        _body: body,
     });
 }
 
@@ -129,6 +134,8 @@ pin_project! {
         #[pin]
         cancelled: Option<WaitForCancellationFutureOwned>,
         permit: Permit,
+        // Lets the attempt's request body be read until the drain ends.
+        _body: Option<DrainGuard>,
     }
 }
 
@@ -228,6 +235,7 @@ mod tests {
             deadline,
             metrics: metrics.clone(),
             cancel: None,
+            body: None,
         };
         spawn(Box::pin(future), drain);
         metrics
@@ -307,6 +315,7 @@ mod tests {
                 deadline: None,
                 metrics: metrics.clone(),
                 cancel: None,
+                body: None,
             };
             spawn(Box::pin(never()), drain);
         }
@@ -322,6 +331,7 @@ mod tests {
             deadline: None,
             metrics: metrics.clone(),
             cancel: Some(cancel.clone()),
+            body: None,
         };
         spawn(Box::pin(never()), drain);
         settle().await;

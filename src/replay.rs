@@ -137,6 +137,13 @@ struct Shared<B> {
     /// The attempt the call committed to while losers linger: the copy is
     /// released to it when the last of them goes.
     heir: u8,
+    /// A retried call's attempts being drained (cut by their own timeout):
+    /// their transport may still have to send the body, so they may read on
+    /// after a later attempt was sent, and the copy is kept for them.
+    draining: [Option<u32>; 4],
+    /// The epoch the call was released to while attempts drain: the copy
+    /// goes to it when the last drain ends.
+    heir_epoch: Option<u32>,
     /// For a hedged call: reads the caller's body, so that a hedge due
     /// before the first attempt has read it can read it ahead (proven where
     /// the layer's service is made, as the service's other conversions).
@@ -391,6 +398,8 @@ impl<B: Body> ReplayBody<B> {
                 alive: 0,
                 lingering: 0,
                 heir: 0,
+                draining: [None; 4],
+                heir_epoch: None,
                 pull,
                 over: false,
                 error: None,
@@ -488,6 +497,19 @@ impl<B> ReplayBody<B> {
         if self.last {
             shared.finalize(self.epoch);
         }
+    }
+
+    /// What lets this clone, once sent, read on if its attempt is drained
+    /// (see [`Lingering`]); `None` for a hedged call's attempt, whose driver
+    /// keeps the body for its drained losers itself.
+    pub(crate) fn lingering(&self) -> Option<Lingering>
+    where
+        B: Send + 'static,
+    {
+        (self.attempt == 0).then(|| Lingering {
+            shared: Arc::clone(&self.shared) as Arc<dyn Drains>,
+            epoch: self.epoch,
+        })
     }
 
     /// Numbers this clone as attempt `number` of a hedged call.
@@ -660,7 +682,7 @@ impl<B> Shared<B> {
         if self.failed {
             return Err(ReplayError::SourceFailed);
         }
-        if self.only.is_some() {
+        if self.only.is_some() || self.heir_epoch.is_some() {
             return Err(ReplayError::Released);
         }
         Ok(())
@@ -708,6 +730,10 @@ impl<B> Shared<B> {
     /// Only the clone sent as `epoch` may read from now on; the copy goes
     /// as soon as that clone has replayed it.
     fn finalize(&mut self, epoch: u32) {
+        if self.draining.iter().any(Option::is_some) {
+            self.heir_epoch = Some(epoch);
+            return;
+        }
         self.only = Some(epoch);
         if self.live == epoch && self.live_pos >= self.read {
             self.drop_copy();
@@ -851,7 +877,11 @@ where
 
         // An earlier attempt's stream, still pulled after a later attempt was
         // sent, must not take chunks from it (nor push the copy over its cap).
-        if this.epoch != UNSENT && this.epoch < shared.live && !shared.concurrent {
+        if this.epoch != UNSENT
+            && this.epoch < shared.live
+            && !shared.concurrent
+            && !shared.draining.contains(&Some(this.epoch))
+        {
             return Poll::Ready(Some(Err(ReplayError::Superseded.into())));
         }
         // Once no retry can follow, only the live attempt reads.
@@ -1020,6 +1050,64 @@ impl<B> fmt::Debug for ReplayBody<B> {
             .field("retry", &self.retry)
             .field("ended", &shared.ended)
             .finish()
+    }
+}
+
+/// A retried call's attempt sent, whose transport may read its body on if
+/// the attempt is cut by its own timeout and drained (§3a): failing the body
+/// then would reset the stream after all. [`drain`](Self::drain) lets it
+/// read on, after later attempts are sent and past the call's release, until
+/// the guard it returns (held by the drain) is dropped; the copy is kept
+/// that long.
+pub(crate) struct Lingering {
+    shared: Arc<dyn Drains>,
+    epoch: u32,
+}
+
+impl Lingering {
+    /// The attempt is drained from now on.
+    pub(crate) fn drain(self) -> DrainGuard {
+        self.shared.start(self.epoch);
+        DrainGuard(self)
+    }
+}
+
+/// An attempt being drained, still allowed to read its body; see
+/// [`Lingering`].
+pub(crate) struct DrainGuard(Lingering);
+
+impl Drop for DrainGuard {
+    fn drop(&mut self) {
+        self.0.shared.end(self.0.epoch);
+    }
+}
+
+/// The replay state, as the drains see it (whatever the body type).
+trait Drains: Send + Sync {
+    fn start(&self, epoch: u32);
+    fn end(&self, epoch: u32);
+}
+
+impl<B: Send> Drains for Mutex<Shared<B>> {
+    fn start(&self, epoch: u32) {
+        let mut shared = self.lock().unwrap_or_else(PoisonError::into_inner);
+        // NOTE: past four attempts draining at once, a fifth reads as before
+        // (its body fails once a later attempt is sent).
+        if let Some(slot) = shared.draining.iter_mut().find(|s| s.is_none()) {
+            *slot = Some(epoch);
+        }
+    }
+
+    fn end(&self, epoch: u32) {
+        let mut shared = self.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = shared.draining.iter_mut().find(|s| **s == Some(epoch)) {
+            *slot = None;
+        }
+        if shared.draining.iter().all(Option::is_none)
+            && let Some(heir) = shared.heir_epoch.take()
+        {
+            shared.finalize(heir);
+        }
     }
 }
 

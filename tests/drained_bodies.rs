@@ -1,0 +1,246 @@
+//! The request body of an attempt being drained (SPEC §3a, §7a, §7b, §13):
+//! a drained attempt's transport may still have to send it (failing it would
+//! reset the stream after all), so it stays readable, and the replay copy is
+//! kept, while the drain lasts; then the copy goes. Hedged calls' losers and
+//! retried calls' attempts cut by their own timeout. Mocks under paused time.
+
+mod support;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
+use support::*;
+use tokio::sync::mpsc;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{HedgePolicy, RetryPolicy};
+use tower::{Service, ServiceExt};
+
+fn hedge(attempts: u32, delay_ms: u64) -> HedgePolicy {
+    HedgePolicy::new(attempts, Duration::from_millis(delay_ms))
+        .unwrap()
+        .with_max_extra_load(None)
+        .unwrap()
+}
+
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A client stream whose size is known up front (exact size hint), fed by
+/// the test chunk by chunk.
+struct KnownSize {
+    rx: mpsc::UnboundedReceiver<Bytes>,
+    size: u64,
+}
+
+impl http_body::Body for KnownSize {
+    type Data = Bytes;
+    type Error = tonic::Status;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+    }
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.size)
+    }
+}
+
+struct Owned(Vec<u8>, Arc<AtomicBool>);
+impl AsRef<[u8]> for Owned {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+impl Drop for Owned {
+    fn drop(&mut self) {
+        self.1.store(true, Ordering::SeqCst);
+    }
+}
+
+fn watched_chunk(len: usize) -> (Bytes, Arc<AtomicBool>) {
+    let freed = Arc::new(AtomicBool::new(false));
+    (
+        Bytes::from_owner(Owned(vec![b'x'; len], Arc::clone(&freed))),
+        freed,
+    )
+}
+
+/// §7a: once a call can no longer be retried the replay copy is released
+/// and no further chunk is copied: a long client or bidi stream holds no
+/// copy for its lifetime. A loser being drained keeps the body until its
+/// transport lets it go; then the winner's stream holds no copy, and what it
+/// sends from then on is not copied.
+#[tokio::test(start_paused = true)]
+async fn once_the_losers_drains_end_the_winners_stream_holds_no_copy() {
+    let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
+    const BIG: usize = 64 * 1024;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut req = with_timeout(request(), "10S");
+    *req.body_mut() = Body::new(KnownSize {
+        rx,
+        size: (3 + BIG) as u64,
+    });
+    tx.send(Bytes::from_static(b"abc")).unwrap();
+    let call = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(req))
+    };
+    let (mut r1, a1, _) = next(&mut handle).await;
+    let (r2, a2, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+
+    // The first attempt commits: the server answers headers first, as a
+    // client-streaming or bidi server does.
+    let (_resp_tx, resp) = streaming_response();
+    a1.send_response(resp);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the loser drains");
+
+    // The loser's server answers; its drain ends, and its transport lets
+    // go of its request (hyper drops the body when the stream ends).
+    a2.send_response(status(Code::Unavailable));
+    drop(r2);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 0, "the drain ended");
+
+    // The winner's client stream goes on.
+    let (big, freed) = watched_chunk(BIG);
+    tx.send(big).unwrap();
+    let got = next_data(r1.body_mut()).await;
+    assert_eq!(got.len(), BIG);
+    drop(got);
+    settle().await;
+
+    let in_use = layer.replay_memory_in_use();
+    let big_freed = freed.load(Ordering::SeqCst);
+    drop((r1, response, tx));
+    assert_eq!(
+        (in_use, big_freed),
+        (0, true),
+        "(layer replay memory in use, chunk sent after the commit freed) \
+         after the commit and the end of every drain"
+    );
+}
+
+/// The same call with nothing drained (the loser answered before the
+/// winner): the copy goes at the commit, as §7a says.
+#[tokio::test(start_paused = true)]
+async fn without_a_drain_the_copy_goes_at_the_commit() {
+    let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
+    const BIG: usize = 64 * 1024;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut req = with_timeout(request(), "10S");
+    *req.body_mut() = Body::new(KnownSize {
+        rx,
+        size: (3 + BIG) as u64,
+    });
+    tx.send(Bytes::from_static(b"abc")).unwrap();
+    let call = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(req))
+    };
+    let (mut r1, a1, _) = next(&mut handle).await;
+    let (r2, a2, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    // A third hedge is not allowed (max 2): the loser fails first.
+    a2.send_response(status(Code::Unavailable));
+    drop(r2);
+    settle().await;
+    let (_resp_tx, resp) = streaming_response();
+    a1.send_response(resp);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok);
+    let (big, freed) = watched_chunk(BIG);
+    tx.send(big).unwrap();
+    let got = next_data(r1.body_mut()).await;
+    drop(got);
+    settle().await;
+    assert_eq!(
+        (layer.replay_memory_in_use(), freed.load(Ordering::SeqCst)),
+        (0, true)
+    );
+    drop((r1, response, tx));
+}
+
+/// The same, past the call's deadline: the winner's response was cut at the
+/// deadline (§3a) and every drain is over, so the layer's replay memory is
+/// not held for a call that can never be retried (§7a), however long its
+/// request stream stays open.
+#[tokio::test(start_paused = true)]
+async fn past_the_deadline_a_hedged_call_whose_loser_drained_holds_no_replay_memory() {
+    let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut req = with_timeout(request(), "1S");
+    *req.body_mut() = Body::new(KnownSize { rx, size: 1000 });
+    tx.send(Bytes::from(vec![b'a'; 10])).unwrap();
+    let call = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(req))
+    };
+    let (mut r1, a1, _) = next(&mut handle).await;
+    let (r2, a2, _) = next(&mut handle).await;
+    assert_eq!(next_data(r1.body_mut()).await.len(), 10);
+    let (_resp_tx, resp) = streaming_response();
+    a1.send_response(resp);
+    let response = call.await.unwrap().unwrap();
+    settle().await;
+    a2.send_response(status(Code::Unavailable));
+    drop(r2);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 0);
+    assert_eq!(read_to_end(response).await, Code::DeadlineExceeded);
+    let in_use = layer.replay_memory_in_use();
+    drop((r1, tx));
+    assert_eq!(in_use, 0, "replay memory held 1 s past the call's deadline");
+}
+
+/// A retried call: the attempt cut by its own timeout is drained, and its
+/// transport has yet to read its body (its connection's send window full)
+/// when the retry goes out. It sends the body whole after the retry, and
+/// after the call ended.
+#[tokio::test(start_paused = true)]
+async fn a_drained_cut_attempt_that_has_yet_to_send_its_body_sends_it_whole() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(with_timeout(request(), "1S")))
+    };
+    let (r1, slow, _) = next(&mut handle).await;
+    let (r2, retry, _) = next(&mut handle).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    let second = r2.into_body().collect().await.unwrap().to_bytes();
+    // The cut attempt's transport now gets to its body.
+    let first = r1.into_body().collect().await.map(|c| c.to_bytes());
+    retry.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    slow.send_response(answer(Code::Ok));
+    assert_eq!(
+        first.as_ref().ok(),
+        Some(&second),
+        "the drained attempt's body: {first:?}"
+    );
+    // The drain over, nothing of the call's copy is held.
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 0);
+    assert_eq!(layer.replay_memory_in_use(), 0);
+}
