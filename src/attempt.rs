@@ -294,7 +294,7 @@ where
             }
             let traced = self.trace.attempt();
             if let Some(drain) = drain.as_mut() {
-                drain.body = req.body().lingering();
+                drain.body = req.body_mut().drainable();
             }
             let future = self.inner.call(req.map(B::from));
             let into_box = self.into_box;
@@ -633,7 +633,7 @@ where
                                     }
                                     *this.traced = trace.attempt();
                                     if let Some(drain) = drain.as_mut() {
-                                        drain.body = req.body().lingering();
+                                        drain.body = req.body_mut().drainable();
                                     }
                                     let future = service.call(req.map(B::from));
                                     let drain = drain.take();

@@ -63,6 +63,9 @@ pub struct ReplayBody<B> {
     hedge: bool,
     /// For a hedged call's attempt, its number (1 to 5); 0 otherwise.
     attempt: u8,
+    /// A retried call's attempt sent that may be drained if cut by its own
+    /// timeout (see [`set_drainable`](Self::set_drainable)).
+    drainable: bool,
 }
 
 /// The epoch of a clone that was never sent.
@@ -74,6 +77,11 @@ fn attempt_number(number: u32) -> u8 {
         .ok()
         .filter(|n| (1..=5).contains(n))
         .unwrap_or(0)
+}
+
+/// The bit of `epoch` in a mask of epochs; 0 past 31 (or unsent).
+fn epoch_bit(epoch: u32) -> u32 {
+    1u32.checked_shl(epoch).unwrap_or(0)
 }
 
 /// The bit of attempt `number` (1 to 5) in a mask of attempts; 0 for none.
@@ -137,12 +145,16 @@ struct Shared<B> {
     /// The attempt the call committed to while losers linger: the copy is
     /// released to it when the last of them goes.
     heir: u8,
-    /// A retried call's attempts being drained (cut by their own timeout):
-    /// their transport may still have to send the body, so they may read on
-    /// after a later attempt was sent, and the copy is kept for them.
-    draining: [Option<u32>; 4],
-    /// The epoch the call was released to while attempts drain: the copy
-    /// goes to it when the last drain ends.
+    /// A retried call's attempts sent that may be drained, whose clone is
+    /// alive (bit `epoch`).
+    drainable: u32,
+    /// Those of them being drained (cut by their own timeout, §3a): their
+    /// transport may still have to send the body (failing it would reset
+    /// the stream after all), so they may replay what later attempts read,
+    /// and the copy is kept while their clone and their drain both last.
+    draining: u32,
+    /// The epoch the call was released to while attempts drain: the release
+    /// happens when the last drain is over.
     heir_epoch: Option<u32>,
     /// For a hedged call: reads the caller's body, so that a hedge due
     /// before the first attempt has read it can read it ahead (proven where
@@ -398,7 +410,8 @@ impl<B: Body> ReplayBody<B> {
                 alive: 0,
                 lingering: 0,
                 heir: 0,
-                draining: [None; 4],
+                drainable: 0,
+                draining: 0,
                 heir_epoch: None,
                 pull,
                 over: false,
@@ -412,6 +425,7 @@ impl<B: Body> ReplayBody<B> {
             waited: false,
             hedge: false,
             attempt: 0,
+            drainable: false,
         }
     }
 }
@@ -433,7 +447,12 @@ impl<B> ReplayBody<B> {
     /// body nothing has been read from yet can always be sent whole.
     pub(crate) fn whole(&self) -> Result<(), ReplayError> {
         let shared = self.lock();
-        if shared.read == 0 && !shared.failed && shared.only.is_none() {
+        if shared.read == 0
+            && !shared.failed
+            && shared.only.is_none()
+            && shared.heir == 0
+            && shared.heir_epoch.is_none()
+        {
             return Ok(());
         }
         shared.replay_state()
@@ -499,14 +518,21 @@ impl<B> ReplayBody<B> {
         }
     }
 
-    /// What lets this clone, once sent, read on if its attempt is drained
-    /// (see [`Lingering`]); `None` for a hedged call's attempt, whose driver
-    /// keeps the body for its drained losers itself.
-    pub(crate) fn lingering(&self) -> Option<Lingering>
+    /// This clone, just sent, is an attempt of a retried call drained if cut
+    /// by its own timeout (§3a): what lets it read on then (see
+    /// [`Lingering`]). `None` for a hedged call's attempt, which
+    /// [`release_to`](Self::release_to) keeps the body for.
+    pub(crate) fn drainable(&mut self) -> Option<Lingering>
     where
         B: Send + 'static,
     {
-        (self.attempt == 0).then(|| Lingering {
+        let bit = epoch_bit(self.epoch);
+        if self.attempt != 0 || bit == 0 {
+            return None;
+        }
+        self.drainable = true;
+        self.lock().drainable |= bit;
+        Some(Lingering {
             shared: Arc::clone(&self.shared) as Arc<dyn Drains>,
             epoch: self.epoch,
         })
@@ -523,22 +549,15 @@ impl<B> ReplayBody<B> {
     /// A hedged call committed to its attempt `number`: as [`release`](Self::release),
     /// for that attempt, whichever was sent last. (A first attempt sent at
     /// once keeps the epoch of a clone not sent; no other reader has it.)
+    ///
+    /// Other attempts whose clone is still alive (losers being drained, or
+    /// attempts cut by their own timeout and drained) may still have to send
+    /// the body, and failing it would reset their stream after all: the body
+    /// is kept for them, and released to `number` when the last of them goes.
     pub(crate) fn release_to(&self, number: u32) {
-        self.release_after_drains(number, &[]);
-    }
-
-    /// A hedged call committed to its attempt `number` while the attempts
-    /// `drained` are drained: as [`release_to`](Self::release_to), once the
-    /// last of those has let its clone go. Until then the body is kept for
-    /// them: a drained loser's transport may have yet to send it, and
-    /// failing it would reset that loser's stream after all.
-    pub(crate) fn release_after_drains(&self, number: u32, drained: &[u32]) {
         let mut shared = self.lock();
         let number = attempt_number(number);
-        let drained = drained
-            .iter()
-            .fold(0u8, |mask, n| mask | attempt_bit(attempt_number(*n)));
-        shared.lingering = drained & shared.alive & !attempt_bit(number);
+        shared.lingering = shared.alive & !attempt_bit(number);
         if shared.lingering == 0 {
             shared.release_to_attempt(number);
         } else {
@@ -682,7 +701,7 @@ impl<B> Shared<B> {
         if self.failed {
             return Err(ReplayError::SourceFailed);
         }
-        if self.only.is_some() || self.heir_epoch.is_some() {
+        if self.only.is_some() || self.heir != 0 || self.heir_epoch.is_some() {
             return Err(ReplayError::Released);
         }
         Ok(())
@@ -713,6 +732,19 @@ impl<B> Shared<B> {
         }
     }
 
+    /// The attempt sent as `epoch` no longer drains (its clone or its drain
+    /// is gone): if the call was released meanwhile, the release happens
+    /// once no other attempt drains.
+    fn drain_over(&mut self, epoch: u32) {
+        self.draining &= !epoch_bit(epoch);
+        if let Some(heir) = self.heir_epoch
+            && self.draining & !epoch_bit(heir) == 0
+        {
+            self.heir_epoch = None;
+            self.finalize(heir);
+        }
+    }
+
     /// The clone of a hedged call's attempt `number` is gone: if it was the
     /// last loser the body was kept for, the copy goes to the winner.
     fn gone(&mut self, number: u8) {
@@ -730,7 +762,7 @@ impl<B> Shared<B> {
     /// Only the clone sent as `epoch` may read from now on; the copy goes
     /// as soon as that clone has replayed it.
     fn finalize(&mut self, epoch: u32) {
-        if self.draining.iter().any(Option::is_some) {
+        if self.draining & !epoch_bit(epoch) != 0 {
             self.heir_epoch = Some(epoch);
             return;
         }
@@ -877,11 +909,9 @@ where
 
         // An earlier attempt's stream, still pulled after a later attempt was
         // sent, must not take chunks from it (nor push the copy over its cap).
-        if this.epoch != UNSENT
-            && this.epoch < shared.live
-            && !shared.concurrent
-            && !shared.draining.contains(&Some(this.epoch))
-        {
+        // A drained attempt's may go on replaying what the live one read.
+        let stale = this.epoch != UNSENT && this.epoch < shared.live && !shared.concurrent;
+        if stale && shared.draining & epoch_bit(this.epoch) == 0 {
             return Poll::Ready(Some(Err(ReplayError::Superseded.into())));
         }
         // Once no retry can follow, only the live attempt reads.
@@ -917,6 +947,17 @@ where
                 }
                 _ => None,
             });
+        }
+
+        // A drained attempt's clone never reads ahead of the live one (what
+        // it read would have to be kept for the live one, and could push the
+        // copy past its limit): it waits for the live one to read on.
+        // NOTE: once the live attempt's clone is gone too, nothing reads on:
+        // the drained one waits until its drain ends.
+        if stale {
+            shared.wait(cx);
+            this.waited = true;
+            return Poll::Pending;
         }
 
         // This clone is at the front: read on from the caller's body.
@@ -1012,6 +1053,7 @@ impl<B> Clone for ReplayBody<B> {
             waited: false,
             hedge: false,
             attempt: 0,
+            drainable: false,
         }
     }
 }
@@ -1022,12 +1064,16 @@ impl<B> Drop for ReplayBody<B> {
         // poll the source themselves now. A clone the source never answered
         // `Pending` holds no waker of the source's: nothing to hand over, and
         // no lock to take (the common case: a unary body, read at once).
-        // A hedged call's attempt also says it is gone: a loser being
-        // drained may be the last the copy is kept for.
-        if self.waited || self.attempt != 0 {
+        // A hedged call's attempt, or a retried call's that may be drained,
+        // also says it is gone: it may be the last the copy is kept for.
+        if self.waited || self.attempt != 0 || self.drainable {
             let mut shared = self.lock();
             if self.attempt != 0 {
                 shared.gone(self.attempt);
+            }
+            if self.drainable {
+                shared.drainable &= !epoch_bit(self.epoch);
+                shared.drain_over(self.epoch);
             }
             if self.waited {
                 shared.wake_waiting();
@@ -1053,12 +1099,10 @@ impl<B> fmt::Debug for ReplayBody<B> {
     }
 }
 
-/// A retried call's attempt sent, whose transport may read its body on if
-/// the attempt is cut by its own timeout and drained (§3a): failing the body
-/// then would reset the stream after all. [`drain`](Self::drain) lets it
-/// read on, after later attempts are sent and past the call's release, until
-/// the guard it returns (held by the drain) is dropped; the copy is kept
-/// that long.
+/// A retried call's attempt sent, which may be drained: [`drain`](Self::drain)
+/// lets its clone read on (replaying what later attempts read) while the
+/// guard it returns, held by the drain, lasts and the clone is alive; the
+/// call's copy is kept that long.
 pub(crate) struct Lingering {
     shared: Arc<dyn Drains>,
     epoch: u32,
@@ -1072,8 +1116,7 @@ impl Lingering {
     }
 }
 
-/// An attempt being drained, still allowed to read its body; see
-/// [`Lingering`].
+/// An attempt being drained; see [`Lingering`].
 pub(crate) struct DrainGuard(Lingering);
 
 impl Drop for DrainGuard {
@@ -1082,7 +1125,7 @@ impl Drop for DrainGuard {
     }
 }
 
-/// The replay state, as the drains see it (whatever the body type).
+/// The replay state, as a drain sees it (whatever the body type).
 trait Drains: Send + Sync {
     fn start(&self, epoch: u32);
     fn end(&self, epoch: u32);
@@ -1091,23 +1134,15 @@ trait Drains: Send + Sync {
 impl<B: Send> Drains for Mutex<Shared<B>> {
     fn start(&self, epoch: u32) {
         let mut shared = self.lock().unwrap_or_else(PoisonError::into_inner);
-        // NOTE: past four attempts draining at once, a fifth reads as before
-        // (its body fails once a later attempt is sent).
-        if let Some(slot) = shared.draining.iter_mut().find(|s| s.is_none()) {
-            *slot = Some(epoch);
-        }
+        // A clone already gone (its body sent whole) needs nothing kept.
+        let bit = epoch_bit(epoch);
+        shared.draining |= shared.drainable & bit;
     }
 
     fn end(&self, epoch: u32) {
-        let mut shared = self.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(slot) = shared.draining.iter_mut().find(|s| **s == Some(epoch)) {
-            *slot = None;
-        }
-        if shared.draining.iter().all(Option::is_none)
-            && let Some(heir) = shared.heir_epoch.take()
-        {
-            shared.finalize(heir);
-        }
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain_over(epoch);
     }
 }
 

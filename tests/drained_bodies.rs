@@ -244,3 +244,144 @@ async fn a_drained_cut_attempt_that_has_yet_to_send_its_body_sends_it_whole() {
     assert_eq!(layer.metrics().draining(), 0);
     assert_eq!(layer.replay_memory_in_use(), 0);
 }
+
+/// A retried call's drained attempt never reads the caller's stream ahead of
+/// the live retry: what it read would have to be kept for the retry, and could
+/// push the copy past its limit, failing the live retry's body.
+#[tokio::test(start_paused = true)]
+async fn a_drained_attempt_does_not_read_ahead_of_the_live_retry() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS)
+        .with_replay_limit(16);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (tx, req) = streaming_request();
+    let req = with_timeout(req, "10S");
+    tx.send(data("abc")).unwrap();
+    let call = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(req))
+    };
+    let (mut r1, _slow, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    // Attempt 1 is cut at 100 ms and drained; the retry is sent.
+    let (r2, retry, _) = next(&mut handle).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    tx.send(big(32)).unwrap();
+    // The drained attempt's transport asks first: it waits for the retry.
+    let early = tokio::time::timeout(MS, r1.body_mut().frame()).await;
+    assert!(early.is_err(), "the drained attempt read ahead: {early:?}");
+    drop(tx);
+    let second = r2.into_body().collect().await.map(|c| c.to_bytes());
+    retry.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    let mut expected = b"abc".to_vec();
+    expected.extend_from_slice(&[b'x'; 32]);
+    assert_eq!(
+        second
+            .as_ref()
+            .map(|b| b.to_vec())
+            .map_err(|e| e.to_string()),
+        Ok(expected),
+        "the live retry's request body"
+    );
+}
+
+fn big(n: usize) -> Result<http_body::Frame<Bytes>, tonic::Status> {
+    Ok(http_body::Frame::data(Bytes::from(vec![b'x'; n])))
+}
+
+/// A hedged call: an attempt cut by its own timeout is drained (§3a), not in
+/// flight when another commits; its transport may still have to send the body,
+/// and sends it whole.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_attempt_cut_by_its_own_timeout_and_drained_sends_its_body_whole() {
+    let policy: RetryPolicy = hedge(2, 1000).into();
+    let policy = policy.with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(with_timeout(request(), "10S")))
+    };
+    // Attempt 1's transport has yet to read its body (send window full).
+    let (r1, slow, _) = next(&mut handle).await;
+    // Cut by its own timeout at 100 ms: drained, and the next hedge goes
+    // at once (no response is non-fatal).
+    let (r2, fast, _) = next(&mut handle).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    let second = r2.into_body().collect().await.unwrap().to_bytes();
+    fast.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "still drained");
+    // The drained attempt's transport now gets to its body.
+    let first = r1.into_body().collect().await.map(|c| c.to_bytes());
+    slow.send_response(answer(Code::Ok));
+    assert_eq!(
+        first.as_ref().ok(),
+        Some(&second),
+        "the drained hedged attempt's body: {:?}",
+        first.as_ref().map_err(|e| e.to_string())
+    );
+}
+
+/// A retried call whose cut attempt sent its body whole (its clone gone) holds
+/// no copy once the call has ended, though that attempt's drain goes on: the
+/// layer's replay memory is free for other calls' retries (§7b).
+#[tokio::test(start_paused = true)]
+async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_needs() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let layer_limit = 16;
+    let layer = layer.with_replay_memory(layer_limit);
+    let call = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(with_timeout(request(), "10S")))
+    };
+    // Attempt 1's transport sends its whole body and lets it go (hyper
+    // drops a request body once sent); its server is slow.
+    let (r1, _slow, _) = next(&mut handle).await;
+    let first = r1.into_body().collect().await.unwrap().to_bytes();
+    // Cut at 100 ms, drained; the retry goes, reads its body, answers OK.
+    let (r2, retry, _) = next(&mut handle).await;
+    let second = r2.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(first, second);
+    retry.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    settle().await;
+    assert_eq!(
+        layer.metrics().draining(),
+        1,
+        "the cut attempt still drains"
+    );
+    // Every clone of the call's body is gone; the call is over.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    settle().await;
+    let held = layer.replay_memory_in_use();
+
+    // Another call, failing once: not retried for want of layer memory.
+    let other = {
+        let ready = svc.ready().await.unwrap();
+        tokio::spawn(ready.call(with_timeout(request(), "10S")))
+    };
+    let (r, send, _) = next(&mut handle).await;
+    let _ = r.into_body().collect().await;
+    send.send_response(status(Code::Unavailable));
+    settle().await;
+    let retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
+        .await
+        .is_ok();
+    if !retried {
+        let _ = other.await;
+    }
+    assert_eq!(
+        (held, retried),
+        (0, true),
+        "(layer replay memory held 1 s after the call ended with no clone alive, \
+         the next call retried)"
+    );
+}

@@ -214,27 +214,19 @@ where
                     Judged::Commit(response) => {
                         // The others are drained, not reset (see
                         // `crate::drain`).
-                        let mut drained = [0u32; 5];
-                        let mut count = 0;
                         for loser in this.inflight.drain(..) {
                             let mut future = loser.future;
-                            if future.as_mut().abandon() {
-                                if let Some(slot) = drained.get_mut(count) {
-                                    *slot = loser.number;
-                                    count += 1;
-                                }
-                            } else {
+                            if !future.as_mut().abandon() {
                                 plan.never_sent(loser.number);
                             }
                         }
                         // Nothing more is copied, and the copy goes once the
-                        // winner has read past it (§7a) — once the losers
+                        // winner has read past it (§7a) — once the attempts
                         // being drained are done with it: one may still have
                         // to send the body, and failing it would reset its
                         // stream after all. The drains end by the deadline.
                         if let Some(template) = this.template.take() {
-                            let body = template.body();
-                            body.release_after_drains(done.number, &drained[..count]);
+                            template.body().release_to(done.number);
                         }
                         return Poll::Ready(response);
                     }
