@@ -7,12 +7,12 @@
 mod support;
 
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::{Request, Response};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use support::*;
@@ -20,19 +20,12 @@ use tokio::sync::mpsc;
 use tonic::Code;
 use tonic::body::Body;
 use tonic_retry::{HedgePolicy, RetryPolicy};
-use tower::{Service, ServiceExt};
 
 fn hedge(attempts: u32, delay_ms: u64) -> HedgePolicy {
     HedgePolicy::new(attempts, Duration::from_millis(delay_ms))
         .unwrap()
         .with_max_extra_load(None)
         .unwrap()
-}
-
-async fn settle() {
-    for _ in 0..20 {
-        tokio::task::yield_now().await;
-    }
 }
 
 /// A client stream whose size is known up front (exact size hint), fed by
@@ -58,25 +51,35 @@ impl http_body::Body for KnownSize {
     }
 }
 
-struct Owned(Vec<u8>, Arc<AtomicBool>);
-impl AsRef<[u8]> for Owned {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-impl Drop for Owned {
-    fn drop(&mut self) {
-        self.1.store(true, Ordering::SeqCst);
-    }
+/// A call hedged at once (two attempts), whose request is a client stream
+/// of `size` bytes known up front, `first` sent and read by attempt 1: the
+/// stream's sender, the call, and both attempts, as the mock sees them.
+async fn hedged_stream(
+    svc: &mut Svc,
+    handle: &mut Handle,
+    timeout: &'static str,
+    size: usize,
+    first: Bytes,
+) -> (mpsc::UnboundedSender<Bytes>, Call, Sent, Sent) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut req = with_timeout(request(), timeout);
+    *req.body_mut() = Body::new(KnownSize {
+        rx,
+        size: size as u64,
+    });
+    tx.send(first.clone()).unwrap();
+    let call = spawn_call(svc, req).await;
+    let (mut r1, a1, _) = next(handle).await;
+    let (r2, a2, _) = next(handle).await;
+    assert_eq!(next_data(r1.body_mut()).await, first);
+    (tx, call, (r1, a1), (r2, a2))
 }
 
-fn watched_chunk(len: usize) -> (Bytes, Arc<AtomicBool>) {
-    let freed = Arc::new(AtomicBool::new(false));
-    (
-        Bytes::from_owner(Owned(vec![b'x'; len], Arc::clone(&freed))),
-        freed,
-    )
-}
+type Call = tokio::task::JoinHandle<Outcome>;
+type Sent = (
+    Request<Body>,
+    tower_test::mock::SendResponse<Response<Body>>,
+);
 
 /// §7a: once a call can no longer be retried the replay copy is released
 /// and no further chunk is copied: a long client or bidi stream holds no
@@ -87,20 +90,9 @@ fn watched_chunk(len: usize) -> (Bytes, Arc<AtomicBool>) {
 async fn once_the_losers_drains_end_the_winners_stream_holds_no_copy() {
     let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
     const BIG: usize = 64 * 1024;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut req = with_timeout(request(), "10S");
-    *req.body_mut() = Body::new(KnownSize {
-        rx,
-        size: (3 + BIG) as u64,
-    });
-    tx.send(Bytes::from_static(b"abc")).unwrap();
-    let call = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(req))
-    };
-    let (mut r1, a1, _) = next(&mut handle).await;
-    let (r2, a2, _) = next(&mut handle).await;
-    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    let abc = Bytes::from_static(b"abc");
+    let (tx, call, (mut r1, a1), (r2, a2)) =
+        hedged_stream(&mut svc, &mut handle, "10S", 3 + BIG, abc).await;
 
     // The first attempt commits: the server answers headers first, as a
     // client-streaming or bidi server does.
@@ -143,20 +135,9 @@ async fn once_the_losers_drains_end_the_winners_stream_holds_no_copy() {
 async fn without_a_drain_the_copy_goes_at_the_commit() {
     let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
     const BIG: usize = 64 * 1024;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut req = with_timeout(request(), "10S");
-    *req.body_mut() = Body::new(KnownSize {
-        rx,
-        size: (3 + BIG) as u64,
-    });
-    tx.send(Bytes::from_static(b"abc")).unwrap();
-    let call = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(req))
-    };
-    let (mut r1, a1, _) = next(&mut handle).await;
-    let (r2, a2, _) = next(&mut handle).await;
-    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    let abc = Bytes::from_static(b"abc");
+    let (tx, call, (mut r1, a1), (r2, a2)) =
+        hedged_stream(&mut svc, &mut handle, "10S", 3 + BIG, abc).await;
     // A third hedge is not allowed (max 2): the loser fails first.
     a2.send_response(status(Code::Unavailable));
     drop(r2);
@@ -184,17 +165,9 @@ async fn without_a_drain_the_copy_goes_at_the_commit() {
 #[tokio::test(start_paused = true)]
 async fn past_the_deadline_a_hedged_call_whose_loser_drained_holds_no_replay_memory() {
     let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut req = with_timeout(request(), "1S");
-    *req.body_mut() = Body::new(KnownSize { rx, size: 1000 });
-    tx.send(Bytes::from(vec![b'a'; 10])).unwrap();
-    let call = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(req))
-    };
-    let (mut r1, a1, _) = next(&mut handle).await;
-    let (r2, a2, _) = next(&mut handle).await;
-    assert_eq!(next_data(r1.body_mut()).await.len(), 10);
+    let ten = Bytes::from(vec![b'a'; 10]);
+    let (tx, call, (r1, a1), (r2, a2)) =
+        hedged_stream(&mut svc, &mut handle, "1S", 1000, ten).await;
     let (_resp_tx, resp) = streaming_response();
     a1.send_response(resp);
     let response = call.await.unwrap().unwrap();
@@ -220,10 +193,7 @@ async fn a_drained_cut_attempt_that_has_yet_to_send_its_body_sends_it_whole() {
         .unwrap()
         .with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let call = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(with_timeout(request(), "1S")))
-    };
+    let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
     let (r1, slow, _) = next(&mut handle).await;
     let (r2, retry, _) = next(&mut handle).await;
     settle().await;
@@ -258,10 +228,7 @@ async fn a_drained_attempt_does_not_read_ahead_of_the_live_retry() {
     let (tx, req) = streaming_request();
     let req = with_timeout(req, "10S");
     tx.send(data("abc")).unwrap();
-    let call = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(req))
-    };
+    let call = spawn_call(&mut svc, req).await;
     let (mut r1, _slow, _) = next(&mut handle).await;
     assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
     // Attempt 1 is cut at 100 ms and drained; the retry is sent.
@@ -300,10 +267,7 @@ async fn a_hedged_attempt_cut_by_its_own_timeout_and_drained_sends_its_body_whol
     let policy: RetryPolicy = hedge(2, 1000).into();
     let policy = policy.with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let call = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(with_timeout(request(), "10S")))
-    };
+    let call = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
     // Attempt 1's transport has yet to read its body (send window full).
     let (r1, slow, _) = next(&mut handle).await;
     // Cut by its own timeout at 100 ms: drained, and the next hedge goes
@@ -338,10 +302,7 @@ async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_n
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let layer_limit = 16;
     let layer = layer.with_replay_memory(layer_limit);
-    let call = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(with_timeout(request(), "10S")))
-    };
+    let call = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
     // Attempt 1's transport sends its whole body and lets it go (hyper
     // drops a request body once sent); its server is slow.
     let (r1, _slow, _) = next(&mut handle).await;
@@ -364,10 +325,7 @@ async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_n
     let held = layer.replay_memory_in_use();
 
     // Another call, failing once: not retried for want of layer memory.
-    let other = {
-        let ready = svc.ready().await.unwrap();
-        tokio::spawn(ready.call(with_timeout(request(), "10S")))
-    };
+    let other = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
     let (r, send, _) = next(&mut handle).await;
     let _ = r.into_body().collect().await;
     send.send_response(status(Code::Unavailable));

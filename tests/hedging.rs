@@ -567,13 +567,6 @@ async fn a_plain_call_dropped_by_the_caller_is_reset() {
     assert_eq!(s.layer.metrics().draining(), 0);
 }
 
-/// Lets spawned tasks (the drains) run to where they wait.
-async fn settle() {
-    for _ in 0..20 {
-        tokio::task::yield_now().await;
-    }
-}
-
 // The cap, the replay copy, late bodies, per-method latencies, marks, cut hedges.
 
 fn req_to(path: &str) -> Request<Body> {

@@ -4,8 +4,7 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,7 +13,7 @@ use http_body_util::BodyExt;
 use support::*;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{HedgePolicy, RetryLayer, RetryPolicy};
+use tonic_retry::{HedgePolicy, ResponseBody, RetryLayer, RetryPolicy};
 use tower::{Layer, Service, ServiceExt};
 use tower_test::mock;
 
@@ -45,27 +44,6 @@ fn unsized_request(chunks: Vec<Bytes>) -> Request<Body> {
     let mut req = with_timeout(request(), "1S");
     *req.body_mut() = unsized_body(chunks);
     req
-}
-
-/// Bytes whose memory says when it is freed.
-struct Owned(Vec<u8>, Arc<AtomicBool>);
-impl AsRef<[u8]> for Owned {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-impl Drop for Owned {
-    fn drop(&mut self) {
-        self.1.store(true, Ordering::SeqCst);
-    }
-}
-
-fn watched_chunk(len: usize) -> (Bytes, Arc<AtomicBool>) {
-    let freed = Arc::new(AtomicBool::new(false));
-    (
-        Bytes::from_owner(Owned(vec![b'x'; len], Arc::clone(&freed))),
-        freed,
-    )
 }
 
 /// A retried call's copy goes as soon as its body outgrows the limit (§7,
@@ -126,12 +104,6 @@ async fn a_copy_read_ahead_past_the_limit_goes_once_the_body_is_sent() {
         (0, true),
         "(layer memory in use, chunk past the limit freed) while the call waits for its answer"
     );
-}
-
-async fn settle() {
-    for _ in 0..20 {
-        tokio::task::yield_now().await;
-    }
 }
 
 fn unavailable_with_pushback(ms: &'static str) -> Response<Body> {
@@ -392,20 +364,24 @@ async fn a_retried_call_whose_body_cannot_be_resent_ends_with_the_last_status_de
     let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
         .unwrap()
         .with_replay_limit(4);
+    let (response, _, layer) = over_the_limit_then_pushed_past_the_deadline(policy).await;
+    ends_unavailable_unrefused(&response, &layer);
+}
+
+/// A call under `policy` (replay limit 4, deadline 100 ms) whose only
+/// attempt sends its 10-byte body whole and answers UNAVAILABLE with a
+/// pushback of 500 ms: what the caller got, the service and its mock
+/// (both kept, so the mock can still tell that no hedge was sent), the layer.
+async fn over_the_limit_then_pushed_past_the_deadline(
+    policy: RetryPolicy,
+) -> (Response<ResponseBody<Body>>, (Svc, Handle), RetryLayer) {
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let call = start(&mut svc, with_timeout(request(), "100m")).await;
     let (r1, a1, _) = next(&mut handle).await;
-    // The attempt sends its body (10 bytes, over the limit of 4).
     let sent = r1.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(sent.len(), 10);
     a1.send_response(unavailable_with_pushback("500"));
-    let response = call.await.unwrap().unwrap();
-    assert_eq!(
-        (code_of(&response), layer.metrics().refused_by_deadline()),
-        (Code::Unavailable, 0),
-        "message: {}",
-        message_of(&response)
-    );
+    (call.await.unwrap().unwrap(), (svc, handle), layer)
 }
 
 /// Nor can a hedged one hedge: the same.
@@ -413,14 +389,8 @@ async fn a_retried_call_whose_body_cannot_be_resent_ends_with_the_last_status_de
 async fn a_hedged_call_whose_body_cannot_be_resent_ends_with_the_last_status_despite_a_pushback_past_its_deadline()
  {
     let small = hedge(3, 1000).with_settings_of(&RetryPolicy::default().with_replay_limit(4));
-    let (mut svc, mut handle, layer) = setup(small.into(), budget());
-    let call = start(&mut svc, with_timeout(request(), "100m")).await;
-    let (r1, a1, _) = next(&mut handle).await;
-    // The attempt sends its body (10 bytes, over the limit of 4).
-    let sent = r1.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(sent.len(), 10);
-    a1.send_response(unavailable_with_pushback("500"));
-    let response = call.await.unwrap().unwrap();
+    let (response, (_svc, mut handle), layer) =
+        over_the_limit_then_pushed_past_the_deadline(small.into()).await;
     assert!(handle.next_request().now_or_never().is_none(), "no hedge");
     ends_unavailable_unrefused(&response, &layer);
 }

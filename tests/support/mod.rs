@@ -218,3 +218,32 @@ pub fn ok_trailers() -> HeaderMap {
 
 #[cfg(feature = "opentelemetry")]
 pub mod exported;
+
+/// Lets spawned tasks (the drains) run to where they wait.
+pub async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Bytes whose memory says when it is freed.
+struct Owned(Vec<u8>, std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl AsRef<[u8]> for Owned {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        self.1.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A chunk of `len` bytes, and a flag set once its memory is freed.
+pub fn watched_chunk(len: usize) -> (Bytes, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    let freed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let owner = Owned(vec![b'x'; len], std::sync::Arc::clone(&freed));
+    (Bytes::from_owner(owner), freed)
+}
