@@ -64,7 +64,7 @@ pub struct ReplayBody<B> {
     /// For a hedged call's attempt, its number (1 to 5); 0 otherwise.
     attempt: u8,
     /// A retried call's attempt sent that may be drained if cut by its own
-    /// timeout (see [`set_drainable`](Self::set_drainable)).
+    /// timeout (see [`drainable`](Self::drainable)).
     drainable: bool,
 }
 
@@ -139,11 +139,10 @@ struct Shared<B> {
     /// A hedged call's attempts whose clone is alive (bit `n - 1` for
     /// attempt `n`).
     alive: u8,
-    /// Losers being drained after the commit whose clone is alive: their
-    /// transport may still have to send the body, so it is kept for them.
-    lingering: u8,
-    /// The attempt the call committed to while losers linger: the copy is
-    /// released to it when the last of them goes.
+    /// The attempt the call committed to while other attempts' clones are
+    /// alive (losers, or attempts cut by their own timeout, being drained:
+    /// their transport may still have to send the body, so it is kept for
+    /// them): the copy is released to it when the last of them goes.
     heir: u8,
     /// A retried call's attempts sent that may be drained, whose clone is
     /// alive (bit `epoch`).
@@ -408,7 +407,6 @@ impl<B: Body> ReplayBody<B> {
                 hedge_epochs: [UNSENT; 5],
                 hedge_pos: [0; 5],
                 alive: 0,
-                lingering: 0,
                 heir: 0,
                 drainable: 0,
                 draining: 0,
@@ -447,12 +445,7 @@ impl<B> ReplayBody<B> {
     /// body nothing has been read from yet can always be sent whole.
     pub(crate) fn whole(&self) -> Result<(), ReplayError> {
         let shared = self.lock();
-        if shared.read == 0
-            && !shared.failed
-            && shared.only.is_none()
-            && shared.heir == 0
-            && shared.heir_epoch.is_none()
-        {
+        if shared.read == 0 && !shared.failed && !shared.released_to_one() {
             return Ok(());
         }
         shared.replay_state()
@@ -557,8 +550,7 @@ impl<B> ReplayBody<B> {
     pub(crate) fn release_to(&self, number: u32) {
         let mut shared = self.lock();
         let number = attempt_number(number);
-        shared.lingering = shared.alive & !attempt_bit(number);
-        if shared.lingering == 0 {
+        if shared.alive & !attempt_bit(number) == 0 {
             shared.release_to_attempt(number);
         } else {
             shared.heir = number;
@@ -701,10 +693,16 @@ impl<B> Shared<B> {
         if self.failed {
             return Err(ReplayError::SourceFailed);
         }
-        if self.only.is_some() || self.heir != 0 || self.heir_epoch.is_some() {
+        if self.released_to_one() {
             return Err(ReplayError::Released);
         }
         Ok(())
+    }
+
+    /// The call can no longer be retried: released to one attempt, now or
+    /// once the attempts still draining are done.
+    fn released_to_one(&self) -> bool {
+        self.only.is_some() || self.heir != 0 || self.heir_epoch.is_some()
     }
 
     fn wake_waiting(&mut self) {
@@ -748,14 +746,10 @@ impl<B> Shared<B> {
     /// The clone of a hedged call's attempt `number` is gone: if it was the
     /// last loser the body was kept for, the copy goes to the winner.
     fn gone(&mut self, number: u8) {
-        let bit = attempt_bit(number);
-        self.alive &= !bit;
-        if self.lingering & bit != 0 {
-            self.lingering &= !bit;
-            if self.lingering == 0 {
-                let heir = std::mem::take(&mut self.heir);
-                self.release_to_attempt(heir);
-            }
+        self.alive &= !attempt_bit(number);
+        if self.heir != 0 && self.alive & !attempt_bit(self.heir) == 0 {
+            let heir = std::mem::take(&mut self.heir);
+            self.release_to_attempt(heir);
         }
     }
 

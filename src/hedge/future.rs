@@ -603,8 +603,7 @@ fn judge<RB, Bu: Budget>(
                     .credit_on_ok(Arc::clone(shared) as Arc<dyn Credit>);
             } else {
                 if code == Code::Ok {
-                    Budget::deposit(&shared.budget);
-                    shared.budget_moved();
+                    shared.credit();
                 }
                 repair_status_details(response.headers_mut());
                 as_grpc_status(&mut response, code);
