@@ -27,7 +27,7 @@
 use std::fmt;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
@@ -263,6 +263,11 @@ impl Kept {
         } else {
             self.rest.push(chunk);
         }
+    }
+
+    /// How many chunks are kept (chunks 0 to `len - 1`).
+    fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.len()
     }
 
     /// Chunk `i`; callers only ask for chunks that were kept.
@@ -526,7 +531,7 @@ impl<B> ReplayBody<B> {
         self.drainable = true;
         self.lock().drainable |= bit;
         Some(Lingering {
-            shared: Arc::clone(&self.shared) as Arc<dyn Drains>,
+            shared: Arc::downgrade(&self.shared) as Weak<dyn Drains>,
             epoch: self.epoch,
         })
     }
@@ -706,6 +711,9 @@ impl<B> Shared<B> {
     }
 
     fn wake_waiting(&mut self) {
+        if self.waiting.is_empty() {
+            return;
+        }
         for waker in self.waiting.drain(..) {
             waker.wake();
         }
@@ -735,6 +743,8 @@ impl<B> Shared<B> {
     /// once no other attempt drains.
     fn drain_over(&mut self, epoch: u32) {
         self.draining &= !epoch_bit(epoch);
+        // A clone that waited because it was drained may read (or fail) now.
+        self.wake_waiting();
         if let Some(heir) = self.heir_epoch
             && self.draining & !epoch_bit(heir) == 0
         {
@@ -764,6 +774,9 @@ impl<B> Shared<B> {
         if self.live == epoch && self.live_pos >= self.read {
             self.drop_copy();
         }
+        // A drained attempt it is released to may read on now (and one it
+        // is not, fail).
+        self.wake_waiting();
     }
 
     fn drop_copy(&mut self) {
@@ -842,9 +855,10 @@ impl<B> Shared<B> {
     fn keep(&mut self, chunk: &Bytes) {
         self.read += 1;
         self.bytes = self.bytes.saturating_add(chunk.len());
-        // Only `only` (or, `over`, the one attempt sent) reads from here on,
-        // and it has this chunk in hand.
-        if self.capped || self.only.is_some() || self.over {
+        // Only `only` (or, `over`, the one attempt sent; or the attempt the
+        // call is released to once the drains end) reads from here on, and it
+        // has this chunk in hand: attempts being drained never read ahead.
+        if self.capped || self.only.is_some() || self.over || self.heir_epoch.is_some() {
             return;
         }
         if self.bytes > self.limit {
@@ -920,6 +934,14 @@ where
             if shared.released {
                 return Poll::Ready(Some(Err(ReplayError::Released.into())));
             }
+            if this.pos >= shared.chunks.len() {
+                // Read after the call was released while attempts drain, by
+                // the attempt it is released to: not kept (§7a). Only a
+                // drained attempt gets here; it waits for its drain to end.
+                shared.wait(cx);
+                this.waited = true;
+                return Poll::Pending;
+            }
             let chunk = shared.chunks.get(this.pos).clone();
             this.pos += 1;
             shared.advanced((this.epoch, this.attempt), this.pos);
@@ -945,10 +967,13 @@ where
 
         // A drained attempt's clone never reads ahead of the live one (what
         // it read would have to be kept for the live one, and could push the
-        // copy past its limit): it waits for the live one to read on.
+        // copy past its limit), nor, before the retry is sent, ahead of the
+        // retry to come: it waits for the live one to read on. Unless no
+        // other attempt can follow: then it is the one reader left.
         // NOTE: once the live attempt's clone is gone too, nothing reads on:
         // the drained one waits until its drain ends.
-        if stale {
+        let draining = shared.draining & epoch_bit(this.epoch) != 0;
+        if stale || (draining && shared.only != Some(this.epoch)) {
             shared.wait(cx);
             this.waited = true;
             return Poll::Pending;
@@ -1096,16 +1121,20 @@ impl<B> fmt::Debug for ReplayBody<B> {
 /// A retried call's attempt sent, which may be drained: [`drain`](Self::drain)
 /// lets its clone read on (replaying what later attempts read) while the
 /// guard it returns, held by the drain, lasts and the clone is alive; the
-/// call's copy is kept that long.
+/// call's copy is kept that long. It does not keep the call's body state
+/// alive: once every clone is gone, the copy and the caller's body go,
+/// however long the drain lasts.
 pub(crate) struct Lingering {
-    shared: Arc<dyn Drains>,
+    shared: Weak<dyn Drains>,
     epoch: u32,
 }
 
 impl Lingering {
     /// The attempt is drained from now on.
     pub(crate) fn drain(self) -> DrainGuard {
-        self.shared.start(self.epoch);
+        if let Some(shared) = self.shared.upgrade() {
+            shared.start(self.epoch);
+        }
         DrainGuard(self)
     }
 }
@@ -1115,7 +1144,9 @@ pub(crate) struct DrainGuard(Lingering);
 
 impl Drop for DrainGuard {
     fn drop(&mut self) {
-        self.0.shared.end(self.0.epoch);
+        if let Some(shared) = self.0.shared.upgrade() {
+            shared.end(self.0.epoch);
+        }
     }
 }
 

@@ -343,3 +343,138 @@ async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_n
          the next call retried)"
     );
 }
+
+/// Between the cut and the retry's send (its backoff, or its service not yet
+/// ready) no attempt is live but the drained one: it must still not read the
+/// caller's body at the front, or what it reads is copied and can push the
+/// copy past its limit, and the retry is never sent.
+#[tokio::test(start_paused = true)]
+async fn a_drained_attempt_does_not_read_ahead_during_the_backoff() {
+    let policy = RetryPolicy::new(3, 50 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS)
+        .with_replay_limit(16);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (tx, req) = streaming_request();
+    tx.send(data("abc")).unwrap();
+    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
+    let (mut r1, _slow, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    // Cut at 100 ms and drained; the retry is due at 150 ms.
+    tokio::time::sleep(110 * MS).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    // The caller sends more; the drained attempt's transport asks first.
+    tx.send(big(32)).unwrap();
+    let early = tokio::time::timeout(MS, r1.body_mut().frame()).await;
+    assert!(early.is_err(), "the drained attempt read ahead: {early:?}");
+    drop(tx);
+    // The retry goes out and sends the body whole.
+    let (r2, send, _) = next(&mut handle).await;
+    let second = r2.into_body().collect().await.map(|c| c.to_bytes().len());
+    send.send_response(answer(Code::Ok));
+    let code = read_to_end(call.await.unwrap().unwrap()).await;
+    assert_eq!(
+        (second.map_err(|e| e.to_string()), code),
+        (Ok(35), Code::Ok)
+    );
+    // What the retry read went past the limit, so there is no copy for the
+    // drained attempt to replay: that is what the limit costs it.
+    let replayed = r1.into_body().collect().await.map(|c| c.to_bytes().len());
+    let error = replayed.expect_err("no copy past the limit");
+    assert!(
+        error.to_string().contains("outgrew the replay limit"),
+        "{error}"
+    );
+}
+
+/// Once every clone of a call's body is gone and the call is over, a drain
+/// still running holds neither the layer's replay memory nor the caller's
+/// request stream (whose sender must learn the call is over).
+#[tokio::test(start_paused = true)]
+async fn a_drain_outliving_every_clone_holds_neither_the_copy_nor_the_callers_stream() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (tx, req) = streaming_request();
+    tx.send(data("abc")).unwrap();
+    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
+    let (mut r1, _slow, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    // Cut at 100 ms and drained; the retry goes at 110 ms.
+    let (r2, retry, _) = next(&mut handle).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    // The drained attempt's transport lets its body go (its stream reset by
+    // the server, say); its server never answers.
+    drop(r1);
+    // The retry's server answers before reading the request, and the
+    // transport drops the retry's body.
+    retry.send_response(status(Code::PermissionDenied));
+    drop(r2);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::PermissionDenied);
+    drop(response);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    settle().await;
+    assert_eq!(
+        layer.metrics().draining(),
+        1,
+        "the cut attempt still drains"
+    );
+    assert_eq!(
+        (layer.replay_memory_in_use(), tx.is_closed()),
+        (0, true),
+        "(layer replay memory held, the caller's request stream closed)"
+    );
+}
+
+/// After the last retry committed, nothing more is copied (§7a), even while
+/// an earlier attempt drains: that attempt waits rather than fail (which
+/// would reset its stream after all) when the live one reads on past what
+/// was kept.
+#[tokio::test(start_paused = true)]
+async fn after_the_commit_nothing_is_copied_and_a_drained_attempt_does_not_fail() {
+    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS)
+        .with_replay_limit(16);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (tx, req) = streaming_request();
+    tx.send(data("abc")).unwrap();
+    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
+    let (mut r1, _slow, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    // Cut at 100 ms and drained; the last retry goes at 110 ms.
+    let (mut r2, retry, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r2.body_mut()).await[..], b"abc");
+    // The retry commits (headers first, as a client-streaming server does).
+    let (_resp_tx, resp) = streaming_response();
+    retry.send_response(resp);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    let mut in_use = Vec::new();
+    let mut drained = Vec::new();
+    for _ in 0..3 {
+        tx.send(data("12345678")).unwrap();
+        assert_eq!(&next_data(r2.body_mut()).await[..], b"12345678");
+        in_use.push(layer.replay_memory_in_use());
+        // The drained attempt's transport follows the live one.
+        let frame = tokio::time::timeout(MS, r1.body_mut().frame()).await;
+        drained.push(match frame {
+            Ok(Some(Ok(f))) => format!("data {:?}", f.into_data().map(|d| d.len())),
+            Ok(Some(Err(e))) => format!("error: {e}"),
+            Ok(None) => "end".to_owned(),
+            Err(_) => "pending".to_owned(),
+        });
+    }
+    assert_eq!(
+        (in_use, drained),
+        (vec![3, 3, 3], vec!["pending".to_owned(); 3]),
+        "(layer replay memory after each chunk sent after the commit: only the copy made \
+         before it, kept while the drain lasts; what the drained attempt's transport got)"
+    );
+}
