@@ -153,8 +153,18 @@ struct Shared<B> {
     /// and the copy is kept while their clone and their drain both last.
     draining: u32,
     /// The epoch the call was released to while attempts drain: the release
-    /// happens when the last drain is over.
+    /// happens when the last drain is over. Nothing read from then on is
+    /// copied: only that attempt reads the caller's body.
     heir_epoch: Option<u32>,
+    /// Attempts ever cut by their own timeout and drained (bit `epoch`):
+    /// even once their drain is over, their transport may hold their body a
+    /// while, and they never read the caller's body ahead of an attempt to
+    /// come.
+    cut: u32,
+    /// Those draining ones that, since the call was released to
+    /// `heir_epoch`, have replayed all the copy holds: they need nothing more
+    /// of it.
+    past: u32,
     /// For a hedged call: reads the caller's body, so that a hedge due
     /// before the first attempt has read it can read it ahead (proven where
     /// the layer's service is made, as the service's other conversions).
@@ -416,6 +426,8 @@ impl<B: Body> ReplayBody<B> {
                 drainable: 0,
                 draining: 0,
                 heir_epoch: None,
+                cut: 0,
+                past: 0,
                 pull,
                 over: false,
                 error: None,
@@ -768,6 +780,10 @@ impl<B> Shared<B> {
     fn finalize(&mut self, epoch: u32) {
         if self.draining & !epoch_bit(epoch) != 0 {
             self.heir_epoch = Some(epoch);
+            // The attempt released to may be a drained one, now the one
+            // reader left; and the drained ones past the copy say so.
+            self.wake_waiting();
+            self.drop_unneeded();
             return;
         }
         self.only = Some(epoch);
@@ -777,6 +793,18 @@ impl<B> Shared<B> {
         // A drained attempt it is released to may read on now (and one it
         // is not, fail).
         self.wake_waiting();
+    }
+
+    /// Released to `heir_epoch` while attempts drain: the copy goes once that
+    /// attempt has replayed it and every drained one needs nothing more of it.
+    fn drop_unneeded(&mut self) {
+        if let Some(heir) = self.heir_epoch
+            && self.live == heir
+            && self.live_pos >= self.chunks.len()
+            && self.draining & !epoch_bit(heir) & !self.past == 0
+        {
+            self.drop_copy();
+        }
     }
 
     fn drop_copy(&mut self) {
@@ -829,6 +857,8 @@ impl<B> Shared<B> {
             // The last reader has the whole copy now; nobody else will. (Past
             // a limit read ahead, the one attempt sent is that reader.)
             self.drop_copy();
+        } else if self.heir_epoch == Some(epoch) {
+            self.drop_unneeded();
         }
     }
 
@@ -931,16 +961,23 @@ where
             if shared.capped {
                 return Poll::Ready(Some(Err(shared.cap_error().into())));
             }
-            if shared.released {
-                return Poll::Ready(Some(Err(ReplayError::Released.into())));
-            }
-            if this.pos >= shared.chunks.len() {
-                // Read after the call was released while attempts drain, by
-                // the attempt it is released to: not kept (§7a). Only a
-                // drained attempt gets here; it waits for its drain to end.
+            let bit = epoch_bit(this.epoch);
+            if shared.heir_epoch.is_some()
+                && shared.draining & bit != 0
+                && (shared.released || this.pos >= shared.chunks.len())
+            {
+                // Past what was kept when the call was released while
+                // attempts drain (read since by the attempt it is released
+                // to, and not copied, §7a), or the copy is gone because none
+                // needed it: a drained attempt waits for its drain to end.
+                shared.past |= bit;
+                shared.drop_unneeded();
                 shared.wait(cx);
                 this.waited = true;
                 return Poll::Pending;
+            }
+            if shared.released || this.pos >= shared.chunks.len() {
+                return Poll::Ready(Some(Err(ReplayError::Released.into())));
             }
             let chunk = shared.chunks.get(this.pos).clone();
             this.pos += 1;
@@ -968,12 +1005,18 @@ where
         // A drained attempt's clone never reads ahead of the live one (what
         // it read would have to be kept for the live one, and could push the
         // copy past its limit), nor, before the retry is sent, ahead of the
-        // retry to come: it waits for the live one to read on. Unless no
-        // other attempt can follow: then it is the one reader left.
+        // retry to come (even once its drain is over: its transport may hold
+        // its body a while yet): it waits for the live one to read on. Unless
+        // no other attempt can follow: then it is the one reader left.
         // NOTE: once the live attempt's clone is gone too, nothing reads on:
         // the drained one waits until its drain ends.
-        let draining = shared.draining & epoch_bit(this.epoch) != 0;
-        if stale || (draining && shared.only != Some(this.epoch)) {
+        let bit = epoch_bit(this.epoch);
+        let reader_left = shared.only == Some(this.epoch) || shared.heir_epoch == Some(this.epoch);
+        if stale || (shared.cut & bit != 0 && !reader_left) {
+            if shared.heir_epoch.is_some() && shared.draining & bit != 0 {
+                shared.past |= bit;
+                shared.drop_unneeded();
+            }
             shared.wait(cx);
             this.waited = true;
             return Poll::Pending;
@@ -1161,6 +1204,7 @@ impl<B: Send> Drains for Mutex<Shared<B>> {
         let mut shared = self.lock().unwrap_or_else(PoisonError::into_inner);
         // A clone already gone (its body sent whole) needs nothing kept.
         let bit = epoch_bit(epoch);
+        shared.cut |= bit;
         shared.draining |= shared.drainable & bit;
     }
 

@@ -473,8 +473,138 @@ async fn after_the_commit_nothing_is_copied_and_a_drained_attempt_does_not_fail(
     }
     assert_eq!(
         (in_use, drained),
-        (vec![3, 3, 3], vec!["pending".to_owned(); 3]),
+        (vec![3, 0, 0], vec!["pending".to_owned(); 3]),
         "(layer replay memory after each chunk sent after the commit: only the copy made \
-         before it, kept while the drain lasts; what the drained attempt's transport got)"
+         before it, until the drained attempt is past it; what the drained attempt's \
+         transport got)"
     );
+}
+
+/// The last attempt is itself cut by its own timeout and drained while the
+/// first still drains: the call is over, and the last attempt is the one
+/// reader left (the earlier one only replays what it reads), so it reads the
+/// caller's stream on to its end, or its server (waiting for the whole client
+/// stream) would never answer and both drains would end at the deadline.
+#[tokio::test(start_paused = true)]
+async fn a_drained_last_attempt_reads_on_while_an_earlier_attempt_drains() {
+    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (tx, req) = streaming_request();
+    tx.send(data("abc")).unwrap();
+    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
+    let (mut r1, _slow1, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    // Cut at 100 ms and drained; the last attempt goes at 110 ms.
+    let (mut r2, _slow2, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r2.body_mut()).await[..], b"abc");
+    // The last attempt is cut too (210 ms) and drained: the call ends.
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 2, "both cut attempts drain");
+    tx.send(data("def")).unwrap();
+    drop(tx);
+    let rest = tokio::time::timeout(Duration::from_secs(1), r2.body_mut().collect())
+        .await
+        .map(|r| r.map(|c| c.to_bytes()).map_err(|e| e.to_string()));
+    assert_eq!(rest, Ok(Ok(Bytes::from_static(b"def"))));
+    assert_eq!(layer.metrics().draining(), 2);
+}
+
+/// As `a_drained_attempt_does_not_read_ahead_during_the_backoff`, but the
+/// cut attempt's server answers during the backoff, so its drain is over
+/// while its transport still holds its request body: it still does not read
+/// the caller's body before the retry is sent.
+#[tokio::test(start_paused = true)]
+async fn a_cut_attempt_whose_drain_is_over_does_not_read_ahead_during_the_backoff() {
+    let policy = RetryPolicy::new(3, 50 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS)
+        .with_replay_limit(16);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let (tx, req) = streaming_request();
+    tx.send(data("abc")).unwrap();
+    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
+    let (mut r1, slow, _) = next(&mut handle).await;
+    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    // Cut at 100 ms and drained; the retry is due at 150 ms.
+    tokio::time::sleep(110 * MS).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    // Its server answers at last: the drain reads the answer and ends.
+    slow.send_response(answer(Code::Ok));
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 0, "the drain ended");
+    // The caller sends more; the cut attempt's transport asks first.
+    tx.send(big(32)).unwrap();
+    let early = tokio::time::timeout(MS, r1.body_mut().frame()).await;
+    assert!(early.is_err(), "the cut attempt read ahead: {early:?}");
+    drop(tx);
+    let (r2, send, _) = next(&mut handle).await;
+    let second = r2.into_body().collect().await.map(|c| c.to_bytes().len());
+    send.send_response(answer(Code::Ok));
+    let code = read_to_end(call.await.unwrap().unwrap()).await;
+    assert_eq!(
+        (second.map_err(|e| e.to_string()), code),
+        (Ok(35), Code::Ok)
+    );
+}
+
+/// After the last retry committed, once the drained attempt has replayed all
+/// the copy holds and the live one has read past it, no clone can need the
+/// copy: it goes at once, not when the drain ends, and another call can be
+/// retried with the layer's memory it held.
+#[tokio::test(start_paused = true)]
+async fn a_copy_no_clone_can_need_is_not_held_while_the_drain_lasts() {
+    const BIG: usize = 40 * 1024;
+    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let layer = layer.with_replay_memory(BIG + 5);
+    let (tx, req) = streaming_request();
+    tx.send(Ok(Frame::data(Bytes::from(vec![b'x'; BIG]))))
+        .unwrap();
+    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
+    let (mut r1, _slow, _) = next(&mut handle).await;
+    assert_eq!(next_data(r1.body_mut()).await.len(), BIG);
+    // Cut at 100 ms and drained; the last retry goes at 110 ms and commits.
+    let (mut r2, retry, _) = next(&mut handle).await;
+    assert_eq!(next_data(r2.body_mut()).await.len(), BIG);
+    let (_resp_tx, resp) = streaming_response();
+    retry.send_response(resp);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::Ok);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    tx.send(data("12345678")).unwrap();
+    assert_eq!(&next_data(r2.body_mut()).await[..], b"12345678");
+    // The drained attempt's transport is past every kept chunk: it waits.
+    assert!(
+        tokio::time::timeout(MS, r1.body_mut().frame())
+            .await
+            .is_err()
+    );
+    let held = layer.replay_memory_in_use();
+
+    // Another call, failing once.
+    let other = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
+    let (r, send, _) = next(&mut handle).await;
+    let _ = r.into_body().collect().await;
+    send.send_response(status(Code::Unavailable));
+    settle().await;
+    let retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
+        .await
+        .is_ok();
+    if !retried {
+        let _ = other.await;
+    }
+    assert_eq!(
+        (held, retried),
+        (0, true),
+        "(layer replay memory held, the next call retried)"
+    );
+    drop((r1, r2, tx, response));
 }
