@@ -38,7 +38,7 @@ use crate::hedge::HedgeFuture;
 use crate::marks::AlreadyTried;
 use crate::metrics::{Event, RetryMetrics};
 use crate::replay::{Lingering, ReplayBody, ReplayError};
-use crate::shared::Shared;
+use crate::shared::Local;
 use crate::status::{GRPC_STATUS, code_at_headers};
 use crate::trace::{AttemptTrace, Trace};
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -146,7 +146,7 @@ where
     /// `inner` was readied by the caller, through `RetryService::poll_ready`,
     /// for the first attempt.
     ready: bool,
-    shared: Arc<Shared<Bu>>,
+    shared: Arc<Local<Bu>>,
     limits: Limits,
     /// Whether to ask a balancer below to report each attempt's instance.
     report: bool,
@@ -175,7 +175,7 @@ where
         first: S,
         ready: bool,
         (into_box, drain): Proven<S, B>,
-        shared: Arc<Shared<Bu>>,
+        shared: Arc<Local<Bu>>,
         index: usize,
         limits: Limits,
         trace: Trace,
@@ -392,7 +392,7 @@ struct Waiting<S, R, F, Bu> {
     drain: Option<DrainWith<F>>,
     /// For an attempt after the first: the budget a retry pays from and the
     /// counters, at send time. `None` for the first attempt.
-    retry: Option<Arc<Shared<Bu>>>,
+    retry: Option<Arc<Local<Bu>>>,
     /// The least time worth sending a retry with.
     min_attempt_budget: Duration,
     /// The call's metrics, to start this attempt's when it is sent.
@@ -719,7 +719,7 @@ fn drain_sent<W, F, H>(state: StateProj<'_, W, F, H>, deadline: Option<Instant>)
 fn send<B, Bu: Budget>(
     req: &mut Request<ReplayBody<B>>,
     (cut, deadline, min_attempt_budget): (Option<(Instant, Cut)>, Option<Instant>, Duration),
-    retry: &Option<Arc<Shared<Bu>>>,
+    retry: &Option<Arc<Local<Bu>>>,
 ) -> Result<(), Failure> {
     if let Some((at, why)) = cut {
         let now = Instant::now();

@@ -29,13 +29,13 @@ use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMP
 use crate::metrics::{Event, RetryMetrics};
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
-use crate::shared::Shared;
+use crate::shared::{Local, Shared};
 use crate::status::{GRPC_RETRY_PUSHBACK, as_grpc_status, code_name, status_response};
 
 /// One call's policy, cloned by `Retry` into the call's future: what every
 /// call shares, and this call's own state.
 pub(crate) struct CallPolicy<Bu> {
-    shared: Arc<Shared<Bu>>,
+    shared: Arc<Local<Bu>>,
     /// The call's policy, in `shared.policies`.
     policy: usize,
     /// The call hedges: its one "attempt" is the hedge driver, never retried.
@@ -124,7 +124,7 @@ impl<Bu> CallPolicy<Bu> {
     /// The policy of a call with `deadline`, whose caller already marked
     /// `tried` as tried.
     pub(crate) fn new(
-        shared: Arc<Shared<Bu>>,
+        shared: Arc<Local<Bu>>,
         policy: usize,
         deadline: Option<Instant>,
         tried: AlreadyTried,
@@ -443,7 +443,7 @@ pub(crate) fn previous_attempts(sent: u32) -> HeaderValue {
 }
 
 /// A call that ended with `OK` after its response was committed.
-impl<Bu: Budget> Credit for Shared<Bu> {
+impl<Bu: Budget> Credit for Local<Bu> {
     fn credit(&self) {
         Budget::deposit(&self.budget);
         self.budget_moved();
@@ -462,7 +462,7 @@ where
         req: &mut Request<ReplayBody<B>>,
         result: &mut Result<Response<ResponseBody<RB>>, Failure>,
     ) -> Option<Backoff> {
-        let shared = &*self.shared;
+        let shared: &Shared<Bu> = &self.shared;
         let Shared {
             policies,
             budget,

@@ -104,7 +104,7 @@ struct Shared<B> {
     cap: Cap,
     /// The memory the copies of every call in flight through one layer share,
     /// and how much of it this copy holds.
-    memory: Option<Arc<ReplayMemory>>,
+    memory: Option<Arc<dyn Account>>,
     reserved: usize,
     /// The epoch of the clone sent last, and how far it has read.
     live: u32,
@@ -258,6 +258,19 @@ impl ReplayMemory {
     }
 }
 
+/// The layer's [`ReplayMemory`] as a call's copy reaches it: through the
+/// handle of the service that made the call (`shared::Local`), so that
+/// holding it moves no count every thread writes.
+pub(crate) trait Account: Send + Sync {
+    fn memory(&self) -> &ReplayMemory;
+}
+
+impl Account for ReplayMemory {
+    fn memory(&self) -> &ReplayMemory {
+        self
+    }
+}
+
 /// The kept chunks. Most gRPC requests are one chunk, which is kept inline;
 /// only a second chunk allocates.
 #[derive(Default)]
@@ -351,13 +364,13 @@ impl<B: Body> ReplayBody<B> {
 
     /// Wraps `body` as [`new`](Self::new) does, its copy also counted in
     /// `memory`, which the copies of other calls share.
-    pub(crate) fn sharing(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self {
+    pub(crate) fn sharing(body: B, limit: usize, memory: Option<Arc<dyn Account>>) -> Self {
         Self::copying(body, limit, memory, None)
     }
 
     /// As [`sharing`](Self::sharing), for a hedged call: a hedge due before
     /// the first attempt has read the body may read it ahead.
-    pub(crate) fn hedged(body: B, limit: usize, memory: Option<Arc<ReplayMemory>>) -> Self
+    pub(crate) fn hedged(body: B, limit: usize, memory: Option<Arc<dyn Account>>) -> Self
     where
         B: Body<Data = Bytes> + Unpin,
         B::Error: Into<BoxError>,
@@ -368,7 +381,7 @@ impl<B: Body> ReplayBody<B> {
     fn copying(
         body: B,
         limit: usize,
-        memory: Option<Arc<ReplayMemory>>,
+        memory: Option<Arc<dyn Account>>,
         pull: Option<Pull<B>>,
     ) -> Self {
         let hint = body.size_hint();
@@ -393,7 +406,7 @@ impl<B: Body> ReplayBody<B> {
         limit: usize,
         (capped, fits): (bool, Option<usize>),
         final_attempt: bool,
-        memory: Option<Arc<ReplayMemory>>,
+        memory: Option<Arc<dyn Account>>,
         pull: Option<Pull<B>>,
     ) -> Self {
         ReplayBody {
@@ -820,7 +833,7 @@ impl<B> Shared<B> {
         if self.reserved > 0
             && let Some(memory) = &self.memory
         {
-            memory.release(std::mem::take(&mut self.reserved));
+            memory.memory().release(std::mem::take(&mut self.reserved));
         }
     }
 
@@ -835,7 +848,7 @@ impl<B> Shared<B> {
     fn cap(&mut self, cap: Cap) {
         tracing::debug!(
             limit = self.limit,
-            layer_limit = self.memory.as_ref().map(|m| m.limit()),
+            layer_limit = self.memory.as_ref().map(|m| m.memory().limit()),
             ?cap,
             "request body outgrew a replay limit; the call will not be retried"
         );
@@ -912,7 +925,7 @@ impl<B> Shared<B> {
         let more = bytes.saturating_sub(self.reserved);
         match &self.memory {
             Some(memory) if more > 0 => {
-                if !memory.try_reserve(more) {
+                if !memory.memory().try_reserve(more) {
                     return false;
                 }
                 self.reserved += more;
@@ -1552,7 +1565,7 @@ mod tests {
         let source = http_body_util::StreamBody::new(
             tokio_stream::wrappers::UnboundedReceiverStream::new(source),
         );
-        let first = ReplayBody::sharing(source, 64, Some(Arc::clone(&memory)));
+        let first = ReplayBody::sharing(source, 64, Some(Arc::clone(&memory) as Arc<dyn Account>));
         let second = first.clone();
         tx.send(data("abc")).unwrap();
         tx.send(data("def")).unwrap();

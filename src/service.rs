@@ -24,8 +24,8 @@ use crate::marks::{
 };
 use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
-use crate::replay::ReplayBody;
-use crate::shared::Shared;
+use crate::replay::{Account, ReplayBody};
+use crate::shared::{Local, Shared};
 use crate::trace::CallEnd;
 
 /// Retries gRPC calls to the inner service; see the [crate docs](crate).
@@ -101,7 +101,7 @@ where
     inner: S,
     /// Whether `inner` said it was ready and no call has used it since.
     ready: bool,
-    shared: Arc<Shared<Bu>>,
+    shared: Arc<Local<Bu>>,
     into_box: fn(S::Error) -> BoxError,
     drain: Drainer<S::Future>,
 }
@@ -141,7 +141,7 @@ where
         Self {
             inner,
             ready: false,
-            shared,
+            shared: Local::new(&shared),
             into_box: Into::into,
             drain: drain::spawn,
         }
@@ -186,7 +186,7 @@ where
         Self {
             inner: self.inner.clone(),
             ready: false,
-            shared: Arc::clone(&self.shared),
+            shared: self.shared.fork(),
             into_box: self.into_box,
             drain: self.drain,
         }
@@ -275,7 +275,7 @@ where
         let tried = callers_mark(&mut parts, already_tried);
 
         let body = if policy.max_attempts > 1 {
-            let memory = Some(Arc::clone(&self.shared.replay_memory));
+            let memory = Some(Arc::clone(&self.shared) as Arc<dyn Account>);
             if policy.hedge.is_some() {
                 ReplayBody::hedged(body, policy.replay_limit, memory)
             } else {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
-use crate::replay::ReplayMemory;
+use crate::replay::{Account, ReplayMemory};
 use crate::trace::Trace;
 
 /// The policies, the budget and the counters of one layer: every service the
@@ -14,7 +14,7 @@ pub(crate) struct Shared<Bu> {
     pub(crate) budget: Bu,
     pub(crate) metrics: RetryMetrics,
     /// What the replay copies of the calls in flight hold together.
-    pub(crate) replay_memory: Arc<ReplayMemory>,
+    pub(crate) replay_memory: ReplayMemory,
     /// gRPC's standard metrics, once given to the layer.
     #[cfg(feature = "opentelemetry")]
     pub(crate) otel: std::sync::OnceLock<Arc<crate::otel::Otel>>,
@@ -26,7 +26,7 @@ impl<Bu> Shared<Bu> {
             policies,
             budget,
             metrics: RetryMetrics::default(),
-            replay_memory: Arc::new(ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT)),
+            replay_memory: ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT),
             #[cfg(feature = "opentelemetry")]
             otel: std::sync::OnceLock::new(),
         })
@@ -55,5 +55,51 @@ impl<Bu> Shared<Bu> {
         }
         let _ = path;
         Trace::none()
+    }
+}
+
+/// One service's hold on what its layer shares: each service the layer
+/// makes, and each clone of one, makes its own (one allocation), and its
+/// calls hold this, not the layer's `Arc`.
+///
+/// A call takes and lets go of its handle several times (its attempts, its
+/// call policy, tower's `Retry` cloning both, the budget credit its body
+/// carries): on one `Arc` for the whole layer, every call on every thread
+/// would write to the same cache line that many times. On a service's own,
+/// those writes stay with the thread that calls through it. Aligned to a
+/// cache line pair (as `crossbeam`'s `CachePadded` on x86-64, where lines
+/// are fetched in pairs), so that two services' handles, made one after the
+/// other, never share one.
+#[repr(align(128))]
+pub(crate) struct Local<Bu> {
+    shared: Arc<Shared<Bu>>,
+}
+
+impl<Bu> Local<Bu> {
+    pub(crate) fn new(shared: &Arc<Shared<Bu>>) -> Arc<Self> {
+        Arc::new(Self {
+            shared: Arc::clone(shared),
+        })
+    }
+
+    /// A handle of its own for another service of the same layer.
+    pub(crate) fn fork(&self) -> Arc<Self> {
+        Self::new(&self.shared)
+    }
+}
+
+impl<Bu> std::ops::Deref for Local<Bu> {
+    type Target = Shared<Bu>;
+
+    #[inline(always)]
+    fn deref(&self) -> &Shared<Bu> {
+        &self.shared
+    }
+}
+
+impl<Bu: Send + Sync> Account for Local<Bu> {
+    #[inline]
+    fn memory(&self) -> &ReplayMemory {
+        &self.shared.replay_memory
     }
 }

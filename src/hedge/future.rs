@@ -33,7 +33,7 @@ use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS, PickedInstanc
 use crate::metrics::Event;
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
-use crate::shared::Shared;
+use crate::shared::{Local, Shared};
 use crate::status::{as_grpc_status, code_name, status_response};
 
 /// The balancer's report of one attempt's instance.
@@ -56,7 +56,7 @@ pin_project! {
         S: Service<Request<B>>,
     {
         attempt: Attempt<S, B, Bu>,
-        shared: Arc<Shared<Bu>>,
+        shared: Arc<Local<Bu>>,
         policy: usize,
         // The request each attempt is a copy of; dropped once no more
         // attempts can be sent, which lets its body's copy go.
@@ -118,7 +118,7 @@ where
 {
     pub(crate) fn new(
         attempt: Attempt<S, B, Bu>,
-        shared: Arc<Shared<Bu>>,
+        shared: Arc<Local<Bu>>,
         policy: usize,
         request: Request<ReplayBody<B>>,
         deadline: Option<Instant>,
@@ -527,7 +527,7 @@ fn next_request<B, F>(
 fn judge<RB, Bu: Budget>(
     outcome: Result<Response<ResponseBody<RB>>, Failure>,
     policy: &RetryPolicy,
-    shared: &Arc<Shared<Bu>>,
+    shared: &Arc<Local<Bu>>,
     picked: Option<HeaderValue>,
     (number, started): (u32, Instant),
     latencies: Option<&Latencies>,
