@@ -775,6 +775,9 @@ impl<B> Shared<B> {
         {
             self.heir_epoch = None;
             self.finalize(heir);
+        } else {
+            // This attempt needs nothing more of the copy.
+            self.drop_unneeded();
         }
     }
 
@@ -1148,6 +1151,11 @@ impl<B> Drop for ReplayBody<B> {
             }
             if self.drainable {
                 shared.drainable &= !epoch_bit(self.epoch);
+                if shared.live == self.epoch {
+                    // The live attempt is gone: it needs nothing more of the
+                    // copy (a retry sent after it reads from its own start).
+                    shared.live_pos = usize::MAX;
+                }
                 shared.drain_over(self.epoch);
             }
             if self.waited {

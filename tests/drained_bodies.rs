@@ -608,3 +608,68 @@ async fn a_copy_no_clone_can_need_is_not_held_while_the_drain_lasts() {
     );
     drop((r1, r2, tx, response));
 }
+
+/// The last retry's transport lets its body go before replaying the copy
+/// (its server answered at once, before reading the request) while the cut
+/// first attempt drains: once the drained attempt has replayed all the copy
+/// holds, no clone can read it again, and it goes at once, not when the
+/// drain ends.
+#[tokio::test(start_paused = true)]
+async fn a_copy_is_not_held_while_the_drain_lasts_once_the_last_attempts_body_is_gone() {
+    const BIG: usize = 40 * 1024;
+    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let layer = layer.with_replay_memory(BIG + 5);
+    let (tx, req) = streaming_request();
+    tx.send(Ok(Frame::data(Bytes::from(vec![b'x'; BIG]))))
+        .unwrap();
+    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
+    let (mut r1, _slow, _) = next(&mut handle).await;
+    assert_eq!(next_data(r1.body_mut()).await.len(), BIG);
+    // Cut at 100 ms and drained; the last retry goes at 110 ms.
+    let (r2, retry, _) = next(&mut handle).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    // The retry's server answers before reading the request; its transport
+    // drops the retry's body unread.
+    retry.send_response(status(Code::PermissionDenied));
+    drop(r2);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::PermissionDenied);
+    drop(response);
+    // The drained attempt's transport has replayed every kept chunk: it waits.
+    assert!(
+        tokio::time::timeout(MS, r1.body_mut().frame())
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    settle().await;
+    assert_eq!(
+        layer.metrics().draining(),
+        1,
+        "the cut attempt still drains"
+    );
+    let held = layer.replay_memory_in_use();
+
+    // Another call, failing once.
+    let other = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
+    let (r, send, _) = next(&mut handle).await;
+    let _ = r.into_body().collect().await;
+    send.send_response(status(Code::Unavailable));
+    settle().await;
+    let retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
+        .await
+        .is_ok();
+    if !retried {
+        let _ = other.await;
+    }
+    assert_eq!(
+        (held, retried),
+        (0, true),
+        "(layer replay memory held, the next call retried)"
+    );
+    drop((r1, tx));
+}
