@@ -534,7 +534,7 @@ where
         };
         if sent {
             state.sent += 1;
-            metrics.record(Event::Attempt);
+            self.shared.count_attempt();
         }
         let remaining = state.remaining();
         let verdict = match &*result {

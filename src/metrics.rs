@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// Counts of what the layer did, shared by every clone of one [`RetryLayer`]
 /// and the services it made.
@@ -15,7 +15,12 @@ pub struct RetryMetrics {
 
 #[derive(Default)]
 struct Counters {
-    attempts: AtomicU64,
+    /// Attempts, counted in stripes: every call counts one, so one counter
+    /// would be written by every thread on every call. The calls of one
+    /// service count in the stripe its handle was given.
+    attempts: [Stripe; STRIPES],
+    /// The stripe the next service's handle gets.
+    next_stripe: AtomicUsize,
     retries: AtomicU64,
     refused_by_budget: AtomicU64,
     refused_by_deadline: AtomicU64,
@@ -33,10 +38,18 @@ struct Counters {
     refusals: std::sync::OnceLock<crate::otel::Refusals>,
 }
 
+/// How many stripes the attempts are counted in.
+const STRIPES: usize = 16;
+
+/// One stripe of a count, alone on its cache lines (x86-64 fetches them in
+/// pairs).
+#[derive(Default)]
+#[repr(align(128))]
+struct Stripe(AtomicU64);
+
 /// What to count.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Event {
-    Attempt,
     Retry,
     RefusedByBudget,
     RefusedByDeadline,
@@ -54,7 +67,6 @@ impl RetryMetrics {
     pub(crate) fn record(&self, event: Event) {
         let c = &self.inner;
         let counter = match event {
-            Event::Attempt => &c.attempts,
             Event::Retry => &c.retries,
             Event::RefusedByBudget => &c.refused_by_budget,
             Event::RefusedByDeadline => &c.refused_by_deadline,
@@ -79,6 +91,19 @@ impl RetryMetrics {
         }
     }
 
+    /// The stripe for the attempts of a new service's calls.
+    pub(crate) fn stripe(&self) -> usize {
+        self.inner.next_stripe.fetch_add(1, Ordering::Relaxed) % STRIPES
+    }
+
+    /// Counts an attempt sent by a call of the service given `stripe`.
+    #[inline]
+    pub(crate) fn attempt(&self, stripe: usize) {
+        if let Some(Stripe(count)) = self.inner.attempts.get(stripe) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Sends refusals to `refusals` too (the first given is kept).
     #[cfg(feature = "opentelemetry")]
     pub(crate) fn export_refusals(&self, refusals: crate::otel::Refusals) {
@@ -88,7 +113,11 @@ impl RetryMetrics {
     /// Attempts sent whose outcome came back (first attempts and retries;
     /// an attempt cut before it could be sent is not counted).
     pub fn attempts(&self) -> u64 {
-        self.inner.attempts.load(Ordering::Relaxed)
+        self.inner
+            .attempts
+            .iter()
+            .map(|Stripe(count)| count.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
     }
 
     /// Retries sent, each paid for with one token when it was sent.

@@ -73,13 +73,22 @@ impl<Bu> Shared<Bu> {
 #[repr(align(128))]
 pub(crate) struct Local<Bu> {
     shared: Arc<Shared<Bu>>,
+    /// Where this service's calls count their attempts.
+    stripe: usize,
 }
 
 impl<Bu> Local<Bu> {
     pub(crate) fn new(shared: &Arc<Shared<Bu>>) -> Arc<Self> {
         Arc::new(Self {
             shared: Arc::clone(shared),
+            stripe: shared.metrics.stripe(),
         })
+    }
+
+    /// Counts an attempt sent by one of this service's calls.
+    #[inline]
+    pub(crate) fn count_attempt(&self) {
+        self.shared.metrics.attempt(self.stripe);
     }
 
     /// A handle of its own for another service of the same layer.

@@ -553,7 +553,7 @@ fn judge<RB, Bu: Budget>(
             why: Cut::Deadline, ..
         }) => {
             *sent += 1;
-            shared.metrics.record(Event::Attempt);
+            shared.count_attempt();
             return Judged::Deadline;
         }
         Err(Failure::Cut { why, sent: true }) => {
@@ -576,7 +576,7 @@ fn judge<RB, Bu: Budget>(
             let verdict = classify_error(non_fatal);
             let message = no_response_message(number, &describe(&*error));
             if matches!(verdict, Verdict::Final(_)) {
-                shared.metrics.record(Event::Attempt);
+                shared.count_attempt();
                 return Judged::Commit(status_response(Code::Unavailable, message));
             }
             *last = Some(Last::Status {
@@ -591,7 +591,7 @@ fn judge<RB, Bu: Budget>(
             (verdict, Some(response))
         }
     };
-    shared.metrics.record(Event::Attempt);
+    shared.count_attempt();
     let code = verdict.code();
     let non_fatal_code = non_fatal.contains(code) && code != Code::Ok;
     let (delay, stop) = match verdict {
