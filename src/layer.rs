@@ -243,3 +243,51 @@ impl<Bu: fmt::Debug, B> fmt::Debug for RetryLayer<Bu, B> {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RetryPolicy;
+    use http::{Request, Response};
+    use tonic::body::Body;
+    use tower::{Service, ServiceExt};
+    use tower_test::mock;
+
+    /// A call, and every attempt and copy it makes, hold the layer through
+    /// the handle of the service that made it, never the layer's own
+    /// `Arc`: two threads calling through clones of one service write no
+    /// count the other writes (BENCHMARKS.md, "Both cores").
+    #[tokio::test(start_paused = true)]
+    async fn a_call_in_flight_takes_no_hold_on_the_layer_itself() {
+        let layer = RetryLayer::new(
+            RetryPolicy::default(),
+            RetryBudget::new(10, 0.1).expect("a valid budget"),
+        );
+        let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let mut svc = layer.layer(inner);
+        let _other = svc.clone();
+        let held = Arc::strong_count(&layer.shared);
+        assert_eq!(held, 3, "the layer and its two services");
+
+        let call = svc.ready().await.unwrap().call(Request::new(Body::empty()));
+        let call = tokio::spawn(call);
+        let (request, send) = handle.next_request().await.expect("the attempt");
+        assert_eq!(
+            Arc::strong_count(&layer.shared),
+            held,
+            "while the attempt is out"
+        );
+        send.send_response(tonic::Status::unavailable("down").into_http());
+        drop(request);
+        // Its retry, after the backoff.
+        let (_request, send) = handle.next_request().await.expect("the retry");
+        assert_eq!(
+            Arc::strong_count(&layer.shared),
+            held,
+            "while the retry is out"
+        );
+        send.send_response(tonic::Status::new(tonic::Code::Ok, "").into_http());
+        call.await.unwrap().expect("the answer");
+        assert_eq!(Arc::strong_count(&layer.shared), held);
+    }
+}
