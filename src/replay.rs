@@ -204,34 +204,11 @@ pub(crate) enum Cap {
 /// The bytes the replay copies of one layer's calls in flight hold together,
 /// and the most they may: a copy that would pass it is dropped, as one that
 /// outgrows its call's limit.
-///
-/// Every call reserves its copy here and gives it back: on one counter, two
-/// threads calling through one layer would write the same cache line twice
-/// a call. So bytes are also taken ahead, a grain at a time, into one of
-/// [`FLOATS`] stripes, and the copies of one service's calls reserve from
-/// and give back to its service's stripe; only when a stripe is empty or
-/// full does a call touch the shared count. Bytes taken ahead count against
-/// the limit, and come back to it when a copy would not fit otherwise.
 #[derive(Debug)]
 pub(crate) struct ReplayMemory {
-    /// Bytes taken from the limit: held by copies, or taken ahead.
-    taken: AtomicUsize,
+    used: AtomicUsize,
     limit: AtomicUsize,
-    /// Bytes taken ahead, per stripe.
-    floats: [Float; FLOATS],
 }
-
-/// How many stripes bytes are taken ahead into.
-const FLOATS: usize = 16;
-
-/// The most a stripe takes ahead at once (it holds at most twice that).
-const GRAIN: usize = 64 << 10;
-
-/// One stripe's bytes taken ahead, alone on its cache lines (x86-64 fetches
-/// them in pairs).
-#[derive(Debug, Default)]
-#[repr(align(128))]
-struct Float(AtomicUsize);
 
 impl ReplayMemory {
     /// grpc-java's retry buffer size.
@@ -239,9 +216,8 @@ impl ReplayMemory {
 
     pub(crate) fn new(limit: usize) -> Self {
         Self {
-            taken: AtomicUsize::new(0),
+            used: AtomicUsize::new(0),
             limit: AtomicUsize::new(limit),
-            floats: Default::default(),
         }
     }
 
@@ -251,104 +227,34 @@ impl ReplayMemory {
 
     pub(crate) fn set_limit(&self, limit: usize) {
         self.limit.store(limit, Ordering::Relaxed);
-        // Taken ahead in grains of the old limit's size.
-        self.reclaim();
     }
 
-    /// Bytes the copies hold now (not those taken ahead).
+    /// Bytes held now.
     pub(crate) fn used(&self) -> usize {
-        let ahead = self
-            .floats
-            .iter()
-            .map(|Float(f)| f.load(Ordering::Relaxed))
-            .fold(0, usize::saturating_add);
-        self.taken.load(Ordering::Relaxed).saturating_sub(ahead)
+        self.used.load(Ordering::Relaxed)
     }
 
-    /// What a stripe takes ahead at once under `limit`: small enough that
-    /// the stripes together hold an eighth of it at most.
-    fn grain(limit: usize) -> usize {
-        (limit / (FLOATS * 16)).min(GRAIN)
-    }
-
-    /// Takes `bytes` for the copy of a call of the service given `stripe`,
-    /// if they fit; never waits.
-    pub(crate) fn try_reserve(&self, bytes: usize, stripe: usize) -> bool {
-        let Float(float) = &self.floats[stripe % FLOATS];
-        if float
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| {
-                f.checked_sub(bytes)
-            })
-            .is_ok()
-        {
-            return true;
-        }
-        let limit = self.limit();
-        if bytes > limit {
+    /// Takes `bytes` if they fit; never waits.
+    fn try_reserve(&self, bytes: usize) -> bool {
+        // NOTE: one read-modify-write, undone when it overshoots: a
+        // compare-and-swap loop would cost more on every call. Two calls
+        // racing at the limit may both be refused where one would fit: a
+        // refused call is only not retried, so erring that way is safe.
+        if bytes > self.limit() {
             return false;
         }
-        let grain = Self::grain(limit);
-        if grain > 0
-            && let Some(more) = bytes.checked_add(grain)
-            && self.take(more, limit)
-        {
-            float.fetch_add(grain, Ordering::Relaxed);
-            return true;
-        }
-        if self.take(bytes, limit) {
-            return true;
-        }
-        // What the stripes took ahead comes back before a copy is refused.
-        self.reclaim();
-        self.take(bytes, limit)
-    }
-
-    /// Gives back `bytes` the copy of a call of the service given `stripe`
-    /// held.
-    pub(crate) fn release(&self, bytes: usize, stripe: usize) {
-        let grain = Self::grain(self.limit());
-        if grain == 0 {
-            self.taken.fetch_sub(bytes, Ordering::Relaxed);
-            return;
-        }
-        let Float(float) = &self.floats[stripe % FLOATS];
-        let cap = grain.saturating_mul(2);
-        if float
-            .fetch_add(bytes, Ordering::Relaxed)
-            .saturating_add(bytes)
-            > cap
-            && let Ok(before) = float.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| {
-                (f > cap).then_some(cap)
-            })
-        {
-            self.taken.fetch_sub(before - cap, Ordering::Relaxed);
-        }
-    }
-
-    /// Takes `bytes` from the limit, if they fit.
-    fn take(&self, bytes: usize, limit: usize) -> bool {
-        // NOTE: one read-modify-write, undone when it overshoots: a
-        // compare-and-swap loop would cost more. Two calls racing at the
-        // limit may both be refused where one would fit: a refused call is
-        // only not retried, so erring that way is safe.
-        let before = self.taken.fetch_add(bytes, Ordering::Relaxed);
+        let before = self.used.fetch_add(bytes, Ordering::Relaxed);
         match before.checked_add(bytes) {
-            Some(total) if total <= limit => true,
+            Some(total) if total <= self.limit() => true,
             _ => {
-                self.taken.fetch_sub(bytes, Ordering::Relaxed);
+                self.used.fetch_sub(bytes, Ordering::Relaxed);
                 false
             }
         }
     }
 
-    /// Gives back to the limit every byte the stripes took ahead.
-    fn reclaim(&self) {
-        for Float(float) in &self.floats {
-            let ahead = float.swap(0, Ordering::Relaxed);
-            if ahead > 0 {
-                self.taken.fetch_sub(ahead, Ordering::Relaxed);
-            }
-        }
+    fn release(&self, bytes: usize) {
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
     }
 }
 
@@ -357,21 +263,6 @@ impl ReplayMemory {
 /// holding it moves no count every thread writes.
 pub(crate) trait Account: Send + Sync {
     fn memory(&self) -> &ReplayMemory;
-
-    /// The stripe of the service that made the call.
-    fn stripe(&self) -> usize {
-        0
-    }
-
-    /// Takes `bytes` for the call's copy, if they fit.
-    fn reserve(&self, bytes: usize) -> bool {
-        self.memory().try_reserve(bytes, self.stripe())
-    }
-
-    /// Gives back `bytes` the call's copy held.
-    fn release(&self, bytes: usize) {
-        self.memory().release(bytes, self.stripe());
-    }
 }
 
 impl Account for ReplayMemory {
@@ -945,7 +836,7 @@ impl<B> Shared<B> {
         if self.reserved > 0
             && let Some(memory) = &self.memory
         {
-            memory.release(std::mem::take(&mut self.reserved));
+            memory.memory().release(std::mem::take(&mut self.reserved));
         }
     }
 
@@ -1037,7 +928,7 @@ impl<B> Shared<B> {
         let more = bytes.saturating_sub(self.reserved);
         match &self.memory {
             Some(memory) if more > 0 => {
-                if !memory.reserve(more) {
+                if !memory.memory().try_reserve(more) {
                     return false;
                 }
                 self.reserved += more;
@@ -1661,76 +1552,18 @@ mod tests {
     #[test]
     fn the_layers_memory_never_overflows_nor_passes_its_limit() {
         let memory = ReplayMemory::new(10);
-        assert!(memory.try_reserve(10, 0));
-        assert!(!memory.try_reserve(1, 1), "full");
-        memory.release(4, 0);
+        assert!(memory.try_reserve(10));
+        assert!(!memory.try_reserve(1), "full");
+        memory.release(4);
         assert!(
-            !memory.try_reserve(usize::MAX, 0),
+            !memory.try_reserve(usize::MAX),
             "an overflowing reservation is refused"
         );
-        assert!(memory.try_reserve(4, 2));
+        assert!(memory.try_reserve(4));
         assert_eq!(memory.used(), 10);
         let unbounded = ReplayMemory::new(usize::MAX);
-        assert!(unbounded.try_reserve(usize::MAX, 0));
-        assert!(!unbounded.try_reserve(1, 0));
-        assert!(!unbounded.try_reserve(1, 1));
-    }
-
-    #[test]
-    fn bytes_taken_ahead_count_against_the_limit_and_come_back_when_needed() {
-        let limit = 1 << 20;
-        let memory = ReplayMemory::new(limit);
-        // A small copy takes a grain ahead into its stripe; only the copy
-        // is held.
-        assert!(memory.try_reserve(100, 3));
-        assert_eq!(memory.used(), 100);
-        memory.release(100, 3);
-        assert_eq!(memory.used(), 0);
-        for stripe in 0..FLOATS {
-            assert!(memory.try_reserve(10, stripe));
-            memory.release(10, stripe);
-        }
-        assert_eq!(memory.used(), 0);
-        // The whole limit still fits one copy: what the stripes took ahead
-        // comes back first.
-        assert!(memory.try_reserve(limit, 5));
-        assert_eq!(memory.used(), limit);
-        assert!(!memory.try_reserve(1, 7), "full");
-        assert!(!memory.try_reserve(1, 5), "full");
-        // Given back past twice a grain, a stripe keeps only that.
-        memory.release(limit, 5);
-        assert_eq!(memory.used(), 0);
-        assert!(memory.try_reserve(limit, 9));
-        memory.release(limit, 9);
-        // A lower limit gives back what was taken ahead for the old one.
-        memory.set_limit(100);
-        assert!(memory.try_reserve(100, 4));
-        assert!(!memory.try_reserve(1, 9), "full");
-        memory.release(100, 4);
-        assert_eq!(memory.used(), 0);
-    }
-
-    #[test]
-    fn threads_reserving_on_every_stripe_leave_nothing_taken() {
-        let limit = 256 << 10;
-        let memory = ReplayMemory::new(limit);
-        std::thread::scope(|scope| {
-            for t in 0..4 {
-                let memory = &memory;
-                scope.spawn(move || {
-                    for i in 0..20_000usize {
-                        let bytes = (i * 7919 + t * 104_729) % 9_000 + 1;
-                        let stripe = (i + t) % (FLOATS + 3);
-                        if memory.try_reserve(bytes, stripe) {
-                            assert!(memory.used() <= limit);
-                            memory.release(bytes, stripe);
-                        }
-                    }
-                });
-            }
-        });
-        assert_eq!(memory.used(), 0);
-        assert!(memory.try_reserve(limit, 1), "nothing leaked");
+        assert!(unbounded.try_reserve(usize::MAX));
+        assert!(!unbounded.try_reserve(1));
     }
 
     #[tokio::test]

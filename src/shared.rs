@@ -111,9 +111,4 @@ impl<Bu: Send + Sync> Account for Local<Bu> {
     fn memory(&self) -> &ReplayMemory {
         &self.shared.replay_memory
     }
-
-    #[inline]
-    fn stripe(&self) -> usize {
-        self.stripe
-    }
 }
