@@ -355,11 +355,8 @@ async fn a_drained_attempt_does_not_read_ahead_during_the_backoff() {
         .with_attempt_timeout(100 * MS)
         .with_replay_limit(16);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let (tx, req) = streaming_request();
-    tx.send(data("abc")).unwrap();
-    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
-    let (mut r1, _slow, _) = next(&mut handle).await;
-    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    let (tx, call, mut r1, _slow) =
+        streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
     // Cut at 100 ms and drained; the retry is due at 150 ms.
     tokio::time::sleep(110 * MS).await;
     settle().await;
@@ -397,11 +394,8 @@ async fn a_drain_outliving_every_clone_holds_neither_the_copy_nor_the_callers_st
         .unwrap()
         .with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let (tx, req) = streaming_request();
-    tx.send(data("abc")).unwrap();
-    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
-    let (mut r1, _slow, _) = next(&mut handle).await;
-    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    let (tx, call, r1, _slow) =
+        streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
     // Cut at 100 ms and drained; the retry goes at 110 ms.
     let (r2, retry, _) = next(&mut handle).await;
     settle().await;
@@ -441,11 +435,8 @@ async fn after_the_commit_nothing_is_copied_and_a_drained_attempt_does_not_fail(
         .with_attempt_timeout(100 * MS)
         .with_replay_limit(16);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let (tx, req) = streaming_request();
-    tx.send(data("abc")).unwrap();
-    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
-    let (mut r1, _slow, _) = next(&mut handle).await;
-    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    let (tx, call, mut r1, _slow) =
+        streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
     // Cut at 100 ms and drained; the last retry goes at 110 ms.
     let (mut r2, retry, _) = next(&mut handle).await;
     assert_eq!(&next_data(r2.body_mut()).await[..], b"abc");
@@ -480,6 +471,43 @@ async fn after_the_commit_nothing_is_copied_and_a_drained_attempt_does_not_fail(
     );
 }
 
+/// A call with a 10 s deadline whose body streams from the sender returned,
+/// `first` sent already; and its first attempt, which has read `first`.
+async fn streamed_call(
+    svc: &mut Svc,
+    handle: &mut Handle,
+    first: Bytes,
+) -> (
+    Tx,
+    tokio::task::JoinHandle<Outcome>,
+    Request<Body>,
+    tower_test::mock::SendResponse<Response<Body>>,
+) {
+    let (tx, req) = streaming_request();
+    tx.send(Ok(Frame::data(first.clone()))).unwrap();
+    let call = spawn_call(svc, with_timeout(req, "10S")).await;
+    let (mut r1, answer, _) = next(handle).await;
+    assert_eq!(next_data(r1.body_mut()).await, first);
+    (tx, call, r1, answer)
+}
+
+/// Whether another call, failing once, is retried (it is not, if the layer's
+/// replay memory has no room for its copy).
+async fn another_call_failing_once_is_retried(svc: &mut Svc, handle: &mut Handle) -> bool {
+    let other = spawn_call(svc, with_timeout(request(), "10S")).await;
+    let (r, send, _) = next(handle).await;
+    let _ = r.into_body().collect().await;
+    send.send_response(status(Code::Unavailable));
+    settle().await;
+    let retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
+        .await
+        .is_ok();
+    if !retried {
+        let _ = other.await;
+    }
+    retried
+}
+
 /// The last attempt is itself cut by its own timeout and drained while the
 /// first still drains: the call is over, and the last attempt is the one
 /// reader left (the earlier one only replays what it reads), so it reads the
@@ -491,11 +519,8 @@ async fn a_drained_last_attempt_reads_on_while_an_earlier_attempt_drains() {
         .unwrap()
         .with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let (tx, req) = streaming_request();
-    tx.send(data("abc")).unwrap();
-    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
-    let (mut r1, _slow1, _) = next(&mut handle).await;
-    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    let (tx, call, _r1, _slow1) =
+        streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
     // Cut at 100 ms and drained; the last attempt goes at 110 ms.
     let (mut r2, _slow2, _) = next(&mut handle).await;
     assert_eq!(&next_data(r2.body_mut()).await[..], b"abc");
@@ -524,11 +549,8 @@ async fn a_cut_attempt_whose_drain_is_over_does_not_read_ahead_during_the_backof
         .with_attempt_timeout(100 * MS)
         .with_replay_limit(16);
     let (mut svc, mut handle, layer) = setup(policy, budget());
-    let (tx, req) = streaming_request();
-    tx.send(data("abc")).unwrap();
-    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
-    let (mut r1, slow, _) = next(&mut handle).await;
-    assert_eq!(&next_data(r1.body_mut()).await[..], b"abc");
+    let (tx, call, mut r1, slow) =
+        streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
     // Cut at 100 ms and drained; the retry is due at 150 ms.
     tokio::time::sleep(110 * MS).await;
     settle().await;
@@ -564,12 +586,8 @@ async fn a_copy_no_clone_can_need_is_not_held_while_the_drain_lasts() {
         .with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let layer = layer.with_replay_memory(BIG + 5);
-    let (tx, req) = streaming_request();
-    tx.send(Ok(Frame::data(Bytes::from(vec![b'x'; BIG]))))
-        .unwrap();
-    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
-    let (mut r1, _slow, _) = next(&mut handle).await;
-    assert_eq!(next_data(r1.body_mut()).await.len(), BIG);
+    let (tx, call, mut r1, _slow) =
+        streamed_call(&mut svc, &mut handle, Bytes::from(vec![b'x'; BIG])).await;
     // Cut at 100 ms and drained; the last retry goes at 110 ms and commits.
     let (mut r2, retry, _) = next(&mut handle).await;
     assert_eq!(next_data(r2.body_mut()).await.len(), BIG);
@@ -589,18 +607,7 @@ async fn a_copy_no_clone_can_need_is_not_held_while_the_drain_lasts() {
     );
     let held = layer.replay_memory_in_use();
 
-    // Another call, failing once.
-    let other = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
-    let (r, send, _) = next(&mut handle).await;
-    let _ = r.into_body().collect().await;
-    send.send_response(status(Code::Unavailable));
-    settle().await;
-    let retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
-        .await
-        .is_ok();
-    if !retried {
-        let _ = other.await;
-    }
+    let retried = another_call_failing_once_is_retried(&mut svc, &mut handle).await;
     assert_eq!(
         (held, retried),
         (0, true),
@@ -622,12 +629,8 @@ async fn a_copy_is_not_held_while_the_drain_lasts_once_the_last_attempts_body_is
         .with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let layer = layer.with_replay_memory(BIG + 5);
-    let (tx, req) = streaming_request();
-    tx.send(Ok(Frame::data(Bytes::from(vec![b'x'; BIG]))))
-        .unwrap();
-    let call = spawn_call(&mut svc, with_timeout(req, "10S")).await;
-    let (mut r1, _slow, _) = next(&mut handle).await;
-    assert_eq!(next_data(r1.body_mut()).await.len(), BIG);
+    let (tx, call, mut r1, _slow) =
+        streamed_call(&mut svc, &mut handle, Bytes::from(vec![b'x'; BIG])).await;
     // Cut at 100 ms and drained; the last retry goes at 110 ms.
     let (r2, retry, _) = next(&mut handle).await;
     settle().await;
@@ -654,18 +657,7 @@ async fn a_copy_is_not_held_while_the_drain_lasts_once_the_last_attempts_body_is
     );
     let held = layer.replay_memory_in_use();
 
-    // Another call, failing once.
-    let other = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
-    let (r, send, _) = next(&mut handle).await;
-    let _ = r.into_body().collect().await;
-    send.send_response(status(Code::Unavailable));
-    settle().await;
-    let retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
-        .await
-        .is_ok();
-    if !retried {
-        let _ = other.await;
-    }
+    let retried = another_call_failing_once_is_retried(&mut svc, &mut handle).await;
     assert_eq!(
         (held, retried),
         (0, true),
