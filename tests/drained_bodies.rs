@@ -350,31 +350,7 @@ async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_n
 /// copy past its limit, and the retry is never sent.
 #[tokio::test(start_paused = true)]
 async fn a_drained_attempt_does_not_read_ahead_during_the_backoff() {
-    let policy = RetryPolicy::new(3, 50 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS)
-        .with_replay_limit(16);
-    let (mut svc, mut handle, layer) = setup(policy, budget());
-    let (tx, call, mut r1, _slow) =
-        streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
-    // Cut at 100 ms and drained; the retry is due at 150 ms.
-    tokio::time::sleep(110 * MS).await;
-    settle().await;
-    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
-    // The caller sends more; the drained attempt's transport asks first.
-    tx.send(big(32)).unwrap();
-    let early = tokio::time::timeout(MS, r1.body_mut().frame()).await;
-    assert!(early.is_err(), "the drained attempt read ahead: {early:?}");
-    drop(tx);
-    // The retry goes out and sends the body whole.
-    let (r2, send, _) = next(&mut handle).await;
-    let second = r2.into_body().collect().await.map(|c| c.to_bytes().len());
-    send.send_response(answer(Code::Ok));
-    let code = read_to_end(call.await.unwrap().unwrap()).await;
-    assert_eq!(
-        (second.map_err(|e| e.to_string()), code),
-        (Ok(35), Code::Ok)
-    );
+    let r1 = cut_attempt_asking_during_the_backoff(false).await;
     // What the retry read went past the limit, so there is no copy for the
     // drained attempt to replay: that is what the limit costs it.
     let replayed = r1.into_body().collect().await.map(|c| c.to_bytes().len());
@@ -491,6 +467,41 @@ async fn streamed_call(
     (tx, call, r1, answer)
 }
 
+/// The size of a body the layer's memory (`big_call_setup`) just holds.
+const BIG: usize = 40 * 1024;
+
+/// A layer whose calls are tried twice, cut at 100 ms, and whose memory for
+/// copies holds one of `BIG` bytes.
+fn big_call_setup() -> (Svc, Handle, tonic_retry::RetryLayer) {
+    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (svc, handle, layer) = setup(policy, budget());
+    (svc, handle, layer.with_replay_memory(BIG + 5))
+}
+
+/// The drained attempt `r1`'s transport, past every chunk kept, waits; and
+/// no copy is held, so another call, failing once, is retried.
+async fn assert_the_copy_is_gone(
+    r1: &mut Request<Body>,
+    layer: &tonic_retry::RetryLayer,
+    svc: &mut Svc,
+    handle: &mut Handle,
+) {
+    assert!(
+        tokio::time::timeout(MS, r1.body_mut().frame())
+            .await
+            .is_err()
+    );
+    let held = layer.replay_memory_in_use();
+    let retried = another_call_failing_once_is_retried(svc, handle).await;
+    assert_eq!(
+        (held, retried),
+        (0, true),
+        "(layer replay memory held, the next call retried)"
+    );
+}
+
 /// Whether another call, failing once, is retried (it is not, if the layer's
 /// replay memory has no room for its copy).
 async fn another_call_failing_once_is_retried(svc: &mut Svc, handle: &mut Handle) -> bool {
@@ -544,6 +555,16 @@ async fn a_drained_last_attempt_reads_on_while_an_earlier_attempt_drains() {
 /// the caller's body before the retry is sent.
 #[tokio::test(start_paused = true)]
 async fn a_cut_attempt_whose_drain_is_over_does_not_read_ahead_during_the_backoff() {
+    cut_attempt_asking_during_the_backoff(true).await;
+}
+
+/// A call whose first attempt is cut at 100 ms and drained (its server
+/// answering during the backoff if `answered`, which ends the drain), whose
+/// caller sends 32 bytes more during the backoff, which the cut attempt's
+/// transport asks for first: it gets nothing, and the retry, sent at 150 ms,
+/// sends the body whole (past the call's replay limit of 16). The cut
+/// attempt's body.
+async fn cut_attempt_asking_during_the_backoff(answered: bool) -> Request<Body> {
     let policy = RetryPolicy::new(3, 50 * MS, 100 * MS, 0.0)
         .unwrap()
         .with_attempt_timeout(100 * MS)
@@ -551,15 +572,14 @@ async fn a_cut_attempt_whose_drain_is_over_does_not_read_ahead_during_the_backof
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let (tx, call, mut r1, slow) =
         streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
-    // Cut at 100 ms and drained; the retry is due at 150 ms.
     tokio::time::sleep(110 * MS).await;
     settle().await;
     assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
-    // Its server answers at last: the drain reads the answer and ends.
-    slow.send_response(answer(Code::Ok));
-    settle().await;
-    assert_eq!(layer.metrics().draining(), 0, "the drain ended");
-    // The caller sends more; the cut attempt's transport asks first.
+    if answered {
+        slow.send_response(answer(Code::Ok));
+        settle().await;
+        assert_eq!(layer.metrics().draining(), 0, "the drain ended");
+    }
     tx.send(big(32)).unwrap();
     let early = tokio::time::timeout(MS, r1.body_mut().frame()).await;
     assert!(early.is_err(), "the cut attempt read ahead: {early:?}");
@@ -572,6 +592,7 @@ async fn a_cut_attempt_whose_drain_is_over_does_not_read_ahead_during_the_backof
         (second.map_err(|e| e.to_string()), code),
         (Ok(35), Code::Ok)
     );
+    r1
 }
 
 /// After the last retry committed, once the drained attempt has replayed all
@@ -580,12 +601,7 @@ async fn a_cut_attempt_whose_drain_is_over_does_not_read_ahead_during_the_backof
 /// retried with the layer's memory it held.
 #[tokio::test(start_paused = true)]
 async fn a_copy_no_clone_can_need_is_not_held_while_the_drain_lasts() {
-    const BIG: usize = 40 * 1024;
-    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
-    let (mut svc, mut handle, layer) = setup(policy, budget());
-    let layer = layer.with_replay_memory(BIG + 5);
+    let (mut svc, mut handle, layer) = big_call_setup();
     let (tx, call, mut r1, _slow) =
         streamed_call(&mut svc, &mut handle, Bytes::from(vec![b'x'; BIG])).await;
     // Cut at 100 ms and drained; the last retry goes at 110 ms and commits.
@@ -599,20 +615,8 @@ async fn a_copy_no_clone_can_need_is_not_held_while_the_drain_lasts() {
     assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
     tx.send(data("12345678")).unwrap();
     assert_eq!(&next_data(r2.body_mut()).await[..], b"12345678");
-    // The drained attempt's transport is past every kept chunk: it waits.
-    assert!(
-        tokio::time::timeout(MS, r1.body_mut().frame())
-            .await
-            .is_err()
-    );
-    let held = layer.replay_memory_in_use();
-
-    let retried = another_call_failing_once_is_retried(&mut svc, &mut handle).await;
-    assert_eq!(
-        (held, retried),
-        (0, true),
-        "(layer replay memory held, the next call retried)"
-    );
+    // The drained attempt's transport is past every kept chunk.
+    assert_the_copy_is_gone(&mut r1, &layer, &mut svc, &mut handle).await;
     drop((r1, r2, tx, response));
 }
 
@@ -623,12 +627,7 @@ async fn a_copy_no_clone_can_need_is_not_held_while_the_drain_lasts() {
 /// drain ends.
 #[tokio::test(start_paused = true)]
 async fn a_copy_is_not_held_while_the_drain_lasts_once_the_last_attempts_body_is_gone() {
-    const BIG: usize = 40 * 1024;
-    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
-    let (mut svc, mut handle, layer) = setup(policy, budget());
-    let layer = layer.with_replay_memory(BIG + 5);
+    let (mut svc, mut handle, layer) = big_call_setup();
     let (tx, call, mut r1, _slow) =
         streamed_call(&mut svc, &mut handle, Bytes::from(vec![b'x'; BIG])).await;
     // Cut at 100 ms and drained; the last retry goes at 110 ms.
@@ -642,12 +641,6 @@ async fn a_copy_is_not_held_while_the_drain_lasts_once_the_last_attempts_body_is
     let response = call.await.unwrap().unwrap();
     assert_eq!(code_of(&response), Code::PermissionDenied);
     drop(response);
-    // The drained attempt's transport has replayed every kept chunk: it waits.
-    assert!(
-        tokio::time::timeout(MS, r1.body_mut().frame())
-            .await
-            .is_err()
-    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     settle().await;
     assert_eq!(
@@ -655,13 +648,7 @@ async fn a_copy_is_not_held_while_the_drain_lasts_once_the_last_attempts_body_is
         1,
         "the cut attempt still drains"
     );
-    let held = layer.replay_memory_in_use();
-
-    let retried = another_call_failing_once_is_retried(&mut svc, &mut handle).await;
-    assert_eq!(
-        (held, retried),
-        (0, true),
-        "(layer replay memory held, the next call retried)"
-    );
+    // The drained attempt's transport has replayed every kept chunk.
+    assert_the_copy_is_gone(&mut r1, &layer, &mut svc, &mut handle).await;
     drop((r1, tx));
 }
