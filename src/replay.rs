@@ -265,6 +265,7 @@ pub(crate) trait Account: Send + Sync {
     fn memory(&self) -> &ReplayMemory;
 }
 
+#[cfg(test)]
 impl Account for ReplayMemory {
     fn memory(&self) -> &ReplayMemory {
         self
@@ -811,6 +812,21 @@ impl<B> Shared<B> {
         self.wake_waiting();
     }
 
+    /// The clone of the attempt cut and drained as `epoch` waits: for the
+    /// live attempt to read on, or for its drain to end (`waited` set). Once
+    /// the call is released while it drains, it needs nothing more of the
+    /// copy, which may go.
+    fn hold_back<T>(&mut self, epoch: u32, waited: &mut bool, cx: &Context<'_>) -> Poll<T> {
+        let bit = epoch_bit(epoch);
+        if self.heir_epoch.is_some() && self.draining & bit != 0 {
+            self.past |= bit;
+            self.drop_unneeded();
+        }
+        self.wait(cx);
+        *waited = true;
+        Poll::Pending
+    }
+
     /// Released to `heir_epoch` while attempts drain: the copy goes once that
     /// attempt has replayed it and every drained one needs nothing more of it.
     fn drop_unneeded(&mut self) {
@@ -977,20 +993,15 @@ where
             if shared.capped {
                 return Poll::Ready(Some(Err(shared.cap_error().into())));
             }
-            let bit = epoch_bit(this.epoch);
             if shared.heir_epoch.is_some()
-                && shared.draining & bit != 0
+                && shared.draining & epoch_bit(this.epoch) != 0
                 && (shared.released || this.pos >= shared.chunks.len())
             {
                 // Past what was kept when the call was released while
                 // attempts drain (read since by the attempt it is released
                 // to, and not copied, §7a), or the copy is gone because none
                 // needed it: a drained attempt waits for its drain to end.
-                shared.past |= bit;
-                shared.drop_unneeded();
-                shared.wait(cx);
-                this.waited = true;
-                return Poll::Pending;
+                return shared.hold_back(this.epoch, &mut this.waited, cx);
             }
             if shared.released || this.pos >= shared.chunks.len() {
                 return Poll::Ready(Some(Err(ReplayError::Released.into())));
@@ -1026,16 +1037,9 @@ where
         // no other attempt can follow: then it is the one reader left.
         // NOTE: once the live attempt's clone is gone too, nothing reads on:
         // the drained one waits until its drain ends.
-        let bit = epoch_bit(this.epoch);
         let reader_left = shared.only == Some(this.epoch) || shared.heir_epoch == Some(this.epoch);
-        if stale || (shared.cut & bit != 0 && !reader_left) {
-            if shared.heir_epoch.is_some() && shared.draining & bit != 0 {
-                shared.past |= bit;
-                shared.drop_unneeded();
-            }
-            shared.wait(cx);
-            this.waited = true;
-            return Poll::Pending;
+        if stale || (shared.cut & epoch_bit(this.epoch) != 0 && !reader_left) {
+            return shared.hold_back(this.epoch, &mut this.waited, cx);
         }
 
         // This clone is at the front: read on from the caller's body.
