@@ -379,20 +379,7 @@ async fn a_drain_outliving_every_clone_holds_neither_the_copy_nor_the_callers_st
     // The drained attempt's transport lets its body go (its stream reset by
     // the server, say); its server never answers.
     drop(r1);
-    // The retry's server answers before reading the request, and the
-    // transport drops the retry's body.
-    retry.send_response(status(Code::PermissionDenied));
-    drop(r2);
-    let response = call.await.unwrap().unwrap();
-    assert_eq!(code_of(&response), Code::PermissionDenied);
-    drop(response);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    settle().await;
-    assert_eq!(
-        layer.metrics().draining(),
-        1,
-        "the cut attempt still drains"
-    );
+    the_retry_answers_unread(retry, r2, call, &layer).await;
     assert_eq!(
         (layer.replay_memory_in_use(), tx.is_closed()),
         (0, true),
@@ -499,6 +486,29 @@ async fn assert_the_copy_is_gone(
         (held, retried),
         (0, true),
         "(layer replay memory held, the next call retried)"
+    );
+}
+
+/// The retry `r2`'s server answers before reading the request, and its
+/// transport drops the retry's body unread: the call ends with that answer,
+/// and a second later the cut attempt still drains.
+async fn the_retry_answers_unread(
+    retry: tower_test::mock::SendResponse<Response<Body>>,
+    r2: Request<Body>,
+    call: tokio::task::JoinHandle<Outcome>,
+    layer: &tonic_retry::RetryLayer,
+) {
+    retry.send_response(status(Code::PermissionDenied));
+    drop(r2);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::PermissionDenied);
+    drop(response);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    settle().await;
+    assert_eq!(
+        layer.metrics().draining(),
+        1,
+        "the cut attempt still drains"
     );
 }
 
@@ -634,20 +644,7 @@ async fn a_copy_is_not_held_while_the_drain_lasts_once_the_last_attempts_body_is
     let (r2, retry, _) = next(&mut handle).await;
     settle().await;
     assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
-    // The retry's server answers before reading the request; its transport
-    // drops the retry's body unread.
-    retry.send_response(status(Code::PermissionDenied));
-    drop(r2);
-    let response = call.await.unwrap().unwrap();
-    assert_eq!(code_of(&response), Code::PermissionDenied);
-    drop(response);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    settle().await;
-    assert_eq!(
-        layer.metrics().draining(),
-        1,
-        "the cut attempt still drains"
-    );
+    the_retry_answers_unread(retry, r2, call, &layer).await;
     // The drained attempt's transport has replayed every kept chunk.
     assert_the_copy_is_gone(&mut r1, &layer, &mut svc, &mut handle).await;
     drop((r1, tx));
