@@ -3,9 +3,11 @@
 //! callgrind's instruction counts repeat exactly. It runs `N` calls (default
 //! 10,000) of one stack, chosen by `STACK`: `a` (no layer), `b` (tower's
 //! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`, `c-per-method`
-//! (per-method policies: 8 services, 33 methods), and with feature
-//! `opentelemetry` `c-otel` (`c` recording gRPC's standard metrics); the same stacks and request
-//! as `--bench overhead`. The cost of one call is the difference
+//! (per-method policies: 8 services, 33 methods); the same stacks and
+//! request as `--bench overhead`. (`c` recording gRPC's standard metrics is
+//! `--bench instructions_otel`: a metered layer in this binary would be a
+//! second copy of the call path, and change what the compiler inlines in
+//! the first.) The cost of one call is the difference
 //! between two runs, which cancels start-up:
 //!
 //! ```text
@@ -42,27 +44,8 @@ fn main() {
                 timed(layered(inner_ok(), policy), n, payload).await
             }
             "c-per-method" => timed(layered_per_method(inner_ok()), n, payload).await,
-            #[cfg(feature = "opentelemetry")]
-            "c-otel" => {
-                // gRPC's standard metrics, recorded on the real SDK (its
-                // in-memory exporter is never flushed here).
-                use opentelemetry::metrics::MeterProvider;
-                use tower::Layer;
-                let exporter = opentelemetry_sdk::metrics::InMemoryMetricExporter::default();
-                let reader = opentelemetry_sdk::metrics::PeriodicReader::builder(exporter).build();
-                let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
-                    .with_reader(reader)
-                    .build();
-                let metrics = tonic_retry::otel::GrpcMetrics::new(&provider.meter("bench"), "bench")
-                    .with_methods(["/library.v1.Library/GetBook"])
-                    .expect("a method path");
-                let budget = tonic_retry::RetryBudget::new(1_000, 0.1).expect("a valid budget");
-                let layer = tonic_retry::RetryLayer::new(RetryPolicy::default(), budget)
-                    .with_grpc_metrics(metrics);
-                timed(layer.layer(inner_ok()), n, payload).await
-            }
             other => panic!(
-                "STACK must be a, b, c, c-no-key, c-per-method (or c-otel, with feature opentelemetry), not {other:?}"
+                "STACK must be a, b, c, c-no-key or c-per-method (c-otel is --bench instructions_otel), not {other:?}"
             ),
         };
     });

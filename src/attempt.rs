@@ -40,7 +40,7 @@ use crate::metrics::{Event, RetryMetrics};
 use crate::replay::{Lingering, ReplayBody, ReplayError};
 use crate::shared::Local;
 use crate::status::{GRPC_STATUS, code_at_headers};
-use crate::trace::{AttemptTrace, Trace};
+use crate::trace::{AttemptRecord, AttemptTrace, CallRecord, Metrics, NoMetrics, Trace};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// The time limits every attempt of one call runs under.
@@ -124,9 +124,10 @@ pub(crate) type Proven<S, B> = (
 
 /// Sends each attempt of one call to the inner service.
 // NOTE: the bound names `S::Error` for `into_box`; see `RetryService`.
-pub(crate) struct Attempt<S, B, Bu>
+pub(crate) struct Attempt<S, B, Bu, M = NoMetrics>
 where
     S: Service<Request<B>>,
+    M: Metrics,
 {
     inner: S,
     /// The inner service's error as a `BoxError`, proven where the layer's
@@ -146,7 +147,7 @@ where
     /// `inner` was readied by the caller, through `RetryService::poll_ready`,
     /// for the first attempt.
     ready: bool,
-    shared: Arc<Local<Bu>>,
+    shared: Arc<Local<Bu, M>>,
     limits: Limits,
     /// Whether to ask a balancer below to report each attempt's instance.
     report: bool,
@@ -155,13 +156,14 @@ where
     /// The call hedges: the first call starts the hedge driver.
     hedge: bool,
     /// The call's metrics.
-    trace: Trace,
+    trace: Trace<M>,
     _body: PhantomData<fn(B)>,
 }
 
-impl<S, B, Bu> Attempt<S, B, Bu>
+impl<S, B, Bu, M> Attempt<S, B, Bu, M>
 where
     S: Service<Request<B>>,
+    M: Metrics,
 {
     /// The attempts of one call under the policy at `index`, the first
     /// through `first`, which the caller's `poll_ready` made ready if `ready`.
@@ -175,10 +177,10 @@ where
         first: S,
         ready: bool,
         (into_box, drain): Proven<S, B>,
-        shared: Arc<Local<Bu>>,
+        shared: Arc<Local<Bu, M>>,
         index: usize,
         limits: Limits,
-        trace: Trace,
+        trace: Trace<M>,
     ) -> Self {
         let policy = shared.policies.get(index);
         let drainable = limits.attempt_timeout.is_some();
@@ -201,9 +203,10 @@ where
     }
 }
 
-impl<S, B, Bu> Attempt<S, B, Bu>
+impl<S, B, Bu, M> Attempt<S, B, Bu, M>
 where
     S: Service<Request<B>>,
+    M: Metrics,
 {
     /// What cancels the drains of the call's abandoned attempts when the
     /// caller drops the call (disarmed once the call has its answer).
@@ -221,9 +224,10 @@ where
 
 // Not derived: that would ask for `B: Clone` and `Bu: Clone`, which the
 // markers and the shared handle do not need.
-impl<S, B, Bu> Clone for Attempt<S, B, Bu>
+impl<S, B, Bu, M> Clone for Attempt<S, B, Bu, M>
 where
     S: Service<Request<B>> + Clone,
+    M: Metrics,
 {
     fn clone(&self) -> Self {
         Self {
@@ -245,15 +249,16 @@ where
     }
 }
 
-impl<S, B, RB, Bu> Service<Request<ReplayBody<B>>> for Attempt<S, B, Bu>
+impl<S, B, RB, Bu, M> Service<Request<ReplayBody<B>>> for Attempt<S, B, Bu, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
+    M: Metrics,
 {
-    type Response = Response<ResponseBody<RB>>;
+    type Response = Response<ResponseBody<RB, M>>;
     type Error = Failure;
-    type Future = AttemptFuture<S, B, Bu>;
+    type Future = AttemptFuture<S, B, Bu, M>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // NOTE: always ready. The first attempt goes to the instance the caller
@@ -325,17 +330,18 @@ where
                 trace: self.trace.clone(),
             }),
         };
-        AttemptFuture::new(state, self.into_box, cut, deadline, AttemptTrace::NONE)
+        AttemptFuture::new(state, self.into_box, cut, deadline, AttemptTrace::<M>::NONE)
     }
 }
 
-impl<S, B, Bu> Attempt<S, B, Bu>
+impl<S, B, Bu, M> Attempt<S, B, Bu, M>
 where
     S: Service<Request<B>> + Clone,
+    M: Metrics,
 {
     /// The hedge driver for the call of `req`, making its attempts through a
     /// plain copy of this, on the instance the caller readied first.
-    fn start_hedging(&mut self, req: Request<ReplayBody<B>>) -> AttemptFuture<S, B, Bu> {
+    fn start_hedging(&mut self, req: Request<ReplayBody<B>>) -> AttemptFuture<S, B, Bu, M> {
         let index = self.policy;
         let fresh = self.inner.clone();
         let driver = Attempt {
@@ -370,44 +376,45 @@ where
             self.into_box,
             None,
             deadline,
-            AttemptTrace::NONE,
+            AttemptTrace::<M>::NONE,
         )
     }
 }
 
 /// What an attempt is doing.
-type AttemptState<S, B, Bu> = State<
-    Waiting<S, Request<ReplayBody<B>>, <S as Service<Request<B>>>::Future, Bu>,
+type AttemptState<S, B, Bu, M> = State<
+    Waiting<S, Request<ReplayBody<B>>, <S as Service<Request<B>>>::Future, Bu, M>,
     <S as Service<Request<B>>>::Future,
-    Pin<Box<HedgeFuture<S, B, Bu>>>,
+    Pin<Box<HedgeFuture<S, B, Bu, M>>>,
 >;
 
 /// An attempt waiting for its service to be ready, and what it needs to be
 /// sent then. Boxed in the state: most first attempts never wait, so the
 /// future every call moves does not carry it.
-struct Waiting<S, R, F, Bu> {
+struct Waiting<S, R, F, Bu, M: Metrics> {
     service: S,
     request: Option<R>,
     /// How to drain it once sent, if it may be abandoned.
     drain: Option<DrainWith<F>>,
     /// For an attempt after the first: the budget a retry pays from and the
     /// counters, at send time. `None` for the first attempt.
-    retry: Option<Arc<Local<Bu>>>,
+    retry: Option<Arc<Local<Bu, M>>>,
     /// The least time worth sending a retry with.
     min_attempt_budget: Duration,
     /// The call's metrics, to start this attempt's when it is sent.
-    trace: Trace,
+    trace: Trace<M>,
 }
 
 pin_project! {
     /// One attempt: readiness (for a retry), the inner service's future, and
     /// the timer that cuts both.
-    pub(crate) struct AttemptFuture<S, B, Bu>
+    pub(crate) struct AttemptFuture<S, B, Bu, M>
     where
         S: Service<Request<B>>,
+        M: Metrics,
     {
         #[pin]
-        state: AttemptState<S, B, Bu>,
+        state: AttemptState<S, B, Bu, M>,
         into_box: fn(S::Error) -> BoxError,
         #[pin]
         timer: Option<Sleep>,
@@ -415,7 +422,7 @@ pin_project! {
         // The call's deadline, which the response body keeps to.
         deadline: Option<Instant>,
         // This attempt's metrics, once it is sent.
-        traced: AttemptTrace,
+        traced: AttemptTrace<M>,
     }
 }
 
@@ -518,17 +525,18 @@ pin_project! {
     }
 }
 
-impl<S, B, Bu> AttemptFuture<S, B, Bu>
+impl<S, B, Bu, M> AttemptFuture<S, B, Bu, M>
 where
     S: Service<Request<B>>,
+    M: Metrics,
 {
     #[inline(always)]
     fn new(
-        state: AttemptState<S, B, Bu>,
+        state: AttemptState<S, B, Bu, M>,
         into_box: fn(S::Error) -> BoxError,
         cut: Option<(Instant, Cut)>,
         deadline: Option<Instant>,
-        traced: AttemptTrace,
+        traced: AttemptTrace<M>,
     ) -> Self {
         Self {
             state,
@@ -548,14 +556,15 @@ where
             into_box,
             None,
             None,
-            AttemptTrace::NONE,
+            AttemptTrace::<M>::NONE,
         )
     }
 }
 
-impl<S, B, Bu> AttemptFuture<S, B, Bu>
+impl<S, B, Bu, M> AttemptFuture<S, B, Bu, M>
 where
     S: Service<Request<B>>,
+    M: Metrics,
 {
     /// Whether the attempt has been sent (it is no longer waiting for its
     /// service to be ready).
@@ -576,9 +585,10 @@ where
     }
 }
 
-impl<S, B, Bu> AttemptFuture<S, B, Bu>
+impl<S, B, Bu, M> AttemptFuture<S, B, Bu, M>
 where
     S: Service<Request<B>>,
+    M: Metrics,
 {
     /// The call's deadline passed with this attempt in flight, and it is
     /// dropped after this: its metrics end `DEADLINE_EXCEEDED`, as the call
@@ -595,13 +605,14 @@ fn fired(timer: Pin<&mut Option<Sleep>>, cx: &mut Context<'_>) -> bool {
         .is_some_and(|timer| timer.poll(cx).is_ready())
 }
 
-impl<S, B, RB, Bu> Future for AttemptFuture<S, B, Bu>
+impl<S, B, RB, Bu, M> Future for AttemptFuture<S, B, Bu, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
+    M: Metrics,
 {
-    type Output = Result<Response<ResponseBody<RB>>, Failure>;
+    type Output = Result<Response<ResponseBody<RB, M>>, Failure>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -624,7 +635,7 @@ where
                             let limits = (*this.cut, *this.deadline, *min_attempt_budget);
                             match send(&mut req, limits, retry) {
                                 Ok(()) => {
-                                    if trace.is_on() && req.body().is_retry() {
+                                    if <Trace<M> as CallRecord>::ON && req.body().is_retry() {
                                         if req.body().is_hedge() {
                                             trace.hedge();
                                         } else {
@@ -677,7 +688,7 @@ where
             this.timer.set(None);
             let result = result.map_err(*this.into_box);
             let mut outcome = outcome(result, *this.cut, *this.deadline);
-            if this.traced.is_on() {
+            if this.traced.is_open() {
                 trace_outcome(&mut outcome, std::mem::take(this.traced));
             }
             return Poll::Ready(outcome);
@@ -716,10 +727,10 @@ fn drain_sent<W, F, H>(state: StateProj<'_, W, F, H>, deadline: Option<Instant>)
 /// there still time for it, and, for a retry (an attempt after one that was
 /// sent), a token to pay for it? Then it is sent with the time left, and a
 /// retry is counted.
-fn send<B, Bu: Budget>(
+fn send<B, Bu: Budget, M: Metrics>(
     req: &mut Request<ReplayBody<B>>,
     (cut, deadline, min_attempt_budget): (Option<(Instant, Cut)>, Option<Instant>, Duration),
-    retry: &Option<Arc<Local<Bu>>>,
+    retry: &Option<Arc<Local<Bu, M>>>,
 ) -> Result<(), Failure> {
     if let Some((at, why)) = cut {
         let now = Instant::now();
@@ -765,9 +776,9 @@ fn send<B, Bu: Budget>(
 /// Ends the metrics of an attempt that ended with `outcome`: a status
 /// answer ends it now, a streamed response when its body ends (which is then
 /// the call's end too: a streamed response always goes to the caller).
-fn trace_outcome<RB>(
-    outcome: &mut Result<Response<ResponseBody<RB>>, Failure>,
-    mut traced: AttemptTrace,
+fn trace_outcome<RB, M: Metrics>(
+    outcome: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
+    mut traced: AttemptTrace<M>,
 ) {
     match outcome {
         // NOTE: an answer its headers decide (a status, or an HTTP error such
@@ -784,11 +795,11 @@ fn trace_outcome<RB>(
 }
 
 /// What the inner service's answer means for the attempt.
-fn outcome<RB>(
+fn outcome<RB, M: Metrics>(
     result: Result<Response<RB>, BoxError>,
     cut: Option<(Instant, Cut)>,
     deadline: Option<Instant>,
-) -> Result<Response<ResponseBody<RB>>, Failure> {
+) -> Result<Response<ResponseBody<RB, M>>, Failure> {
     let expired = |cut: Option<(Instant, Cut)>| cut.filter(|(at, _)| Instant::now() >= *at);
     match result {
         Ok(response) => {

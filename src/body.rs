@@ -15,7 +15,7 @@ use tokio::time::{Instant, Sleep};
 use crate::classify::{repair_status_details, status_in};
 use crate::deadline::timer_at;
 use crate::status::{GRPC_MESSAGE, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads};
-use crate::trace::AttemptTrace;
+use crate::trace::{AttemptRecord, AttemptTrace, Metrics, NoMetrics};
 use tonic::Code;
 use tower::BoxError;
 
@@ -44,8 +44,14 @@ pin_project! {
     /// `OK`: the layer's budget is credited when the trailers say so, not
     /// when the headers arrive (a stream cut, failed or dropped unread
     /// credits nothing), as grpc-go counts a success when the call finishes.
+    ///
+    /// `M` is what records the call's standard metrics: see
+    /// [`RetryLayer`](crate::RetryLayer).
     #[derive(Debug)]
-    pub struct ResponseBody<B> {
+    pub struct ResponseBody<B, M = NoMetrics>
+    where
+        M: Metrics,
+    {
         #[pin]
         inner: Option<B>,
         // The call's deadline, while the body is still open.
@@ -57,7 +63,7 @@ pin_project! {
         // Credited if the trailers end the call with `OK`.
         on_ok: Option<OnOk>,
         // The metrics of the attempt (and call) this body ends.
-        traced: AttemptTrace,
+        traced: AttemptTrace<M>,
     }
 }
 
@@ -75,19 +81,19 @@ impl fmt::Debug for OnOk {
     }
 }
 
-impl<B> ResponseBody<B> {
+impl<B, M: Metrics> ResponseBody<B, M> {
     pub(crate) fn new(inner: B, deadline: Option<Instant>) -> Self {
         Self {
             inner: Some(inner),
             deadline,
             timer: None,
             on_ok: None,
-            traced: AttemptTrace::NONE,
+            traced: AttemptTrace::<M>::NONE,
         }
     }
 
     /// Ends `traced` when the body ends.
-    pub(crate) fn trace(&mut self, traced: AttemptTrace) {
+    pub(crate) fn trace(&mut self, traced: AttemptTrace<M>) {
         self.traced = traced;
     }
 
@@ -109,7 +115,7 @@ impl<B> ResponseBody<B> {
             deadline: None,
             timer: None,
             on_ok: None,
-            traced: AttemptTrace::NONE,
+            traced: AttemptTrace::<M>::NONE,
         }
     }
 
@@ -124,7 +130,7 @@ impl<B> ResponseBody<B> {
     }
 }
 
-impl<B> Default for ResponseBody<B> {
+impl<B, M: Metrics> Default for ResponseBody<B, M> {
     fn default() -> Self {
         Self::empty()
     }
@@ -178,7 +184,7 @@ fn code_of_error(error: &(dyn Any + 'static)) -> Code {
 
 // NOTE: `B: 'static` (which every constructor of the layer's service asks
 // already) lets a failed body's error be read for its metrics.
-impl<B: Body + 'static> Body for ResponseBody<B> {
+impl<B: Body + 'static, M: Metrics> Body for ResponseBody<B, M> {
     type Data = B::Data;
     type Error = B::Error;
 
@@ -259,7 +265,7 @@ impl<B: Body + 'static> Body for ResponseBody<B> {
                     Frame::trailers(trailers)
                 }
                 None => {
-                    if this.traced.is_on() {
+                    if this.traced.is_open() {
                         this.traced.end(code_of_error(&error));
                     }
                     return Poll::Ready(Some(Err(error)));
@@ -283,7 +289,7 @@ impl<B: Body + 'static> Body for ResponseBody<B> {
                 if details {
                     repair_status_details(&mut trailers);
                 }
-                if this.traced.is_on() {
+                if this.traced.is_open() {
                     // What the caller reads, after the rewrite above.
                     let (code, _) = read_trailers(&trailers);
                     this.traced.end(code.unwrap_or(Code::Unknown));
@@ -321,7 +327,10 @@ mod tests {
             Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"abc"))),
             Ok(Frame::trailers(trailers)),
         ]));
-        let collected = ResponseBody::new(inner, None).collect().await.unwrap();
+        let collected = ResponseBody::<_, NoMetrics>::new(inner, None)
+            .collect()
+            .await
+            .unwrap();
         let trailers = collected.trailers().cloned().expect("trailers pass");
         assert_eq!(trailers["grpc-status"], "14");
         assert!(!trailers.contains_key("grpc-status-details-bin"));
@@ -345,7 +354,7 @@ mod tests {
         let (tx, inner) = channel_body();
         let start = Instant::now();
         let deadline = start + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(inner, Some(deadline)));
         tx.send(Ok(Frame::data(Bytes::from_static(b"first"))))
             .unwrap();
         let frame = body.frame().await.unwrap().unwrap();
@@ -371,7 +380,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"x")))
             })));
         let deadline = Instant::now() + Duration::from_millis(10);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(inner, Some(deadline)));
         let mut frames = 0;
         loop {
             let frame = body.frame().await.unwrap().unwrap();
@@ -391,7 +400,7 @@ mod tests {
     async fn a_body_that_ends_in_time_is_untouched_and_its_timer_goes() {
         let (tx, inner) = channel_body();
         let deadline = Instant::now() + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(inner, Some(deadline)));
         let reader = async {
             let mut got = Vec::new();
             while let Some(frame) = body.frame().await {

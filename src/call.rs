@@ -31,11 +31,12 @@ use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::{Local, Shared};
 use crate::status::{GRPC_RETRY_PUSHBACK, as_grpc_status, code_name, status_response};
+use crate::trace::{Metrics, NoMetrics};
 
 /// One call's policy, cloned by `Retry` into the call's future: what every
 /// call shares, and this call's own state.
-pub(crate) struct CallPolicy<Bu> {
-    shared: Arc<Local<Bu>>,
+pub(crate) struct CallPolicy<Bu, M = NoMetrics> {
+    shared: Arc<Local<Bu, M>>,
     /// The call's policy, in `shared.policies`.
     policy: usize,
     /// The call hedges: its one "attempt" is the hedge driver, never retried.
@@ -89,7 +90,7 @@ impl Last {
 
     /// The response the caller gets for it: the server's headers, repaired,
     /// and a proxy's answer as the gRPC status it maps to.
-    pub(crate) fn into_response<RB>(self) -> Response<ResponseBody<RB>> {
+    pub(crate) fn into_response<RB, M: Metrics>(self) -> Response<ResponseBody<RB, M>> {
         let code = self.code();
         match self {
             Last::Response {
@@ -109,7 +110,7 @@ impl Last {
 }
 
 // Not derived: the budget itself need not be `Clone`, it is shared.
-impl<Bu> Clone for CallPolicy<Bu> {
+impl<Bu, M> Clone for CallPolicy<Bu, M> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -120,11 +121,11 @@ impl<Bu> Clone for CallPolicy<Bu> {
     }
 }
 
-impl<Bu> CallPolicy<Bu> {
+impl<Bu, M> CallPolicy<Bu, M> {
     /// The policy of a call with `deadline`, whose caller already marked
     /// `tried` as tried.
     pub(crate) fn new(
-        shared: Arc<Local<Bu>>,
+        shared: Arc<Local<Bu, M>>,
         policy: usize,
         deadline: Option<Instant>,
         tried: AlreadyTried,
@@ -309,7 +310,10 @@ impl CallState {
     /// Keeps what the failed attempt ended with, for when the retry after it
     /// cannot be sent. The response is about to be dropped, so its headers
     /// are moved, not copied.
-    fn remember<RB>(&mut self, result: &mut Result<Response<ResponseBody<RB>>, Failure>) {
+    fn remember<RB, M: Metrics>(
+        &mut self,
+        result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
+    ) {
         let last = match result {
             Ok(response) => Last::Response {
                 status: response.status(),
@@ -340,7 +344,7 @@ impl CallState {
     /// attempt after it could not be sent because the inner service failed
     /// (`error`) while it waited to be ready. Without an earlier attempt, that
     /// failure is the call's: `UNAVAILABLE`, naming it.
-    fn last_status<RB>(&mut self, error: &str) -> Response<ResponseBody<RB>> {
+    fn last_status<RB, M: Metrics>(&mut self, error: &str) -> Response<ResponseBody<RB, M>> {
         let Some(last) = self.last.take() else {
             return status_response(
                 Code::Unavailable,
@@ -418,8 +422,8 @@ pub(crate) fn no_response_message(made: u32, error: &str) -> String {
 
 /// The instance an attempt went to: the response's own report, else the
 /// balancer's; none for an attempt that was never sent.
-fn instance<'a, RB>(
-    result: &'a Result<Response<ResponseBody<RB>>, Failure>,
+fn instance<'a, RB, M: Metrics>(
+    result: &'a Result<Response<ResponseBody<RB, M>>, Failure>,
     header: Option<&HeaderName>,
     picked: Option<&'a HeaderValue>,
 ) -> Option<&'a HeaderValue> {
@@ -443,16 +447,17 @@ pub(crate) fn previous_attempts(sent: u32) -> HeaderValue {
 }
 
 /// A call that ended with `OK` after its response was committed.
-impl<Bu: Budget> Credit for Local<Bu> {
+impl<Bu: Budget, M: Metrics> Credit for Local<Bu, M> {
     fn credit(&self) {
         Budget::deposit(&self.budget);
         self.budget_moved();
     }
 }
 
-impl<B, RB, Bu> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB>>, Failure>
-    for CallPolicy<Bu>
+impl<B, RB, Bu, M> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB, M>>, Failure>
+    for CallPolicy<Bu, M>
 where
+    M: Metrics,
     Bu: Budget,
 {
     type Future = Backoff;
@@ -460,7 +465,7 @@ where
     fn retry(
         &mut self,
         req: &mut Request<ReplayBody<B>>,
-        result: &mut Result<Response<ResponseBody<RB>>, Failure>,
+        result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
     ) -> Option<Backoff> {
         let shared: &Shared<Bu> = &self.shared;
         let Shared {
@@ -574,7 +579,7 @@ where
         let decision = state.decide(shared, policy, outcome);
         // A committed response moves the budget later, with its trailers.
         if verdict != Verdict::Committed {
-            shared.budget_moved();
+            self.shared.budget_moved();
         }
         let attempt = state.made;
         let name = code_name(verdict.code());
@@ -686,9 +691,9 @@ where
 // the caller grew past the inliner's limit and this went out of line,
 // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
 #[inline(always)]
-fn end_call<B, RB>(
+fn end_call<B, RB, M: Metrics>(
     req: &Request<ReplayBody<B>>,
-    result: &mut Result<Response<ResponseBody<RB>>, Failure>,
+    result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
     marked: bool,
     metrics: &RetryMetrics,
 ) -> Option<Backoff> {
@@ -702,7 +707,10 @@ fn end_call<B, RB>(
 /// Marks a failure this layer gave up on "do not retry" for the layers above
 /// (gRPC A6: a negative `grpc-retry-pushback-ms`), replacing any pushback the
 /// server sent: the retries happened here, at the lowest hop.
-pub(crate) fn mark_given_up<RB>(response: &mut Response<ResponseBody<RB>>, metrics: &RetryMetrics) {
+pub(crate) fn mark_given_up<RB, M: Metrics>(
+    response: &mut Response<ResponseBody<RB, M>>,
+    metrics: &RetryMetrics,
+) {
     response
         .headers_mut()
         .insert(GRPC_RETRY_PUSHBACK, HeaderValue::from_static("-1"));
@@ -711,8 +719,8 @@ pub(crate) fn mark_given_up<RB>(response: &mut Response<ResponseBody<RB>>, metri
 
 /// Last touches on an outcome handed to the caller as it is (a committed
 /// response needs none: its status comes in trailers, repaired by its body).
-fn finish<RB>(
-    result: &mut Result<Response<ResponseBody<RB>>, Failure>,
+fn finish<RB, M: Metrics>(
+    result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
     state: &CallState,
     code: Code,
 ) {
@@ -740,7 +748,10 @@ fn finish<RB>(
 }
 
 /// The status a caller gets for an attempt that ended without a response.
-pub(crate) fn failure_response<RB>(failure: &Failure, attempt: u32) -> Response<ResponseBody<RB>> {
+pub(crate) fn failure_response<RB, M: Metrics>(
+    failure: &Failure,
+    attempt: u32,
+) -> Response<ResponseBody<RB, M>> {
     match failure {
         // gRPC reports a call whose attempts found no server as UNAVAILABLE,
         // never as tonic's raw transport error (UNKNOWN).
@@ -755,7 +766,7 @@ pub(crate) fn failure_response<RB>(failure: &Failure, attempt: u32) -> Response<
     }
 }
 
-impl<Bu> std::fmt::Debug for CallPolicy<Bu> {
+impl<Bu, M> std::fmt::Debug for CallPolicy<Bu, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallPolicy")
             .field("state", &self.state)

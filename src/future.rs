@@ -16,10 +16,13 @@ use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
 use crate::call::{CallPolicy, failure_response};
 use crate::replay::ReplayBody;
-use crate::trace::CallEnd;
+use crate::trace::{CallEnd, Metrics, NoMetrics};
 
-type Retrying<S, B, Bu> =
-    tower::retry::future::ResponseFuture<CallPolicy<Bu>, Attempt<S, B, Bu>, Request<ReplayBody<B>>>;
+type Retrying<S, B, Bu, M> = tower::retry::future::ResponseFuture<
+    CallPolicy<Bu, M>,
+    Attempt<S, B, Bu, M>,
+    Request<ReplayBody<B>>,
+>;
 
 pin_project! {
     /// Response future of [`RetryService`](crate::RetryService).
@@ -30,7 +33,7 @@ pin_project! {
     // NOTE: the bounds are those the type of `inner` needs (tower's retry
     // future names its service's future); none is on `S::Error`, so a call
     // can be spawned whatever the inner service's error type.
-    pub struct ResponseFuture<S, B, RB, Bu = RetryBudget>
+    pub struct ResponseFuture<S, B, RB, Bu = RetryBudget, M = NoMetrics>
     where
         S: Service<Request<B>, Response = Response<RB>>,
         S: Clone,
@@ -38,11 +41,12 @@ pin_project! {
         B: Send,
         B: 'static,
         Bu: Budget,
+        M: Metrics,
     {
         #[pin]
-        inner: Retrying<S, B, Bu>,
+        inner: Retrying<S, B, Bu, M>,
         // The call's end, for its metrics.
-        end: CallEnd,
+        end: CallEnd<M>,
         // Cancels the drains of the call's abandoned attempts if it is
         // dropped before its answer.
         cancel: Option<DropGuard>,
@@ -50,13 +54,18 @@ pin_project! {
     }
 }
 
-impl<S, B, RB, Bu> ResponseFuture<S, B, RB, Bu>
+impl<S, B, RB, Bu, M> ResponseFuture<S, B, RB, Bu, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
+    M: Metrics,
 {
-    pub(crate) fn new(inner: Retrying<S, B, Bu>, end: CallEnd, cancel: Option<DropGuard>) -> Self {
+    pub(crate) fn new(
+        inner: Retrying<S, B, Bu, M>,
+        end: CallEnd<M>,
+        cancel: Option<DropGuard>,
+    ) -> Self {
         Self {
             inner,
             end,
@@ -66,13 +75,14 @@ where
     }
 }
 
-impl<S, B, RB, Bu> Future for ResponseFuture<S, B, RB, Bu>
+impl<S, B, RB, Bu, M> Future for ResponseFuture<S, B, RB, Bu, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
+    M: Metrics,
 {
-    type Output = Result<Response<ResponseBody<RB>>, S::Error>;
+    type Output = Result<Response<ResponseBody<RB, M>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         // NOTE: the call policy turns every failure into a status response
@@ -91,11 +101,12 @@ where
     }
 }
 
-impl<S, B, RB, Bu> std::fmt::Debug for ResponseFuture<S, B, RB, Bu>
+impl<S, B, RB, Bu, M> std::fmt::Debug for ResponseFuture<S, B, RB, Bu, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
+    M: Metrics,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()

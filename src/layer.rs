@@ -13,6 +13,9 @@ use crate::metrics::RetryMetrics;
 use crate::policy::RetryPolicy;
 use crate::service::RetryService;
 use crate::shared::Shared;
+#[cfg(feature = "opentelemetry")]
+use crate::trace::Record;
+use crate::trace::{Metrics, NoMetrics};
 
 /// Applies [`RetryService`] to a service: see the [crate docs](crate).
 ///
@@ -27,8 +30,13 @@ use crate::shared::Shared;
 /// `B` is the type of the request bodies the layer's services take: tonic's
 /// [`Body`](tonic::body::Body), what tonic's `Channel` and generated clients
 /// use, unless [`for_body`](RetryLayer::for_body) says otherwise.
-pub struct RetryLayer<Bu = RetryBudget, B = tonic::body::Body> {
+///
+/// `M` is what records gRPC's standard metrics: [`NoMetrics`], nothing,
+/// unless the layer was given them with `with_grpc_metrics` (feature
+/// `opentelemetry`).
+pub struct RetryLayer<Bu = RetryBudget, B = tonic::body::Body, M = NoMetrics> {
     shared: Arc<Shared<Bu>>,
+    recorder: M,
     _body: PhantomData<fn(B)>,
 }
 
@@ -75,12 +83,13 @@ impl<Bu> RetryLayer<Bu> {
     {
         Self {
             shared: Shared::new(policy.into(), budget),
+            recorder: NoMetrics,
             _body: PhantomData,
         }
     }
 }
 
-impl<Bu, B> RetryLayer<Bu, B> {
+impl<Bu, B, M> RetryLayer<Bu, B, M> {
     /// The same layer (the same budget and counters) for services taking
     /// request bodies of type `B2` — for a body that is not tonic's, such as
     /// http-body-util's `UnsyncBoxBody<Bytes, BoxError>`:
@@ -98,9 +107,10 @@ impl<Bu, B> RetryLayer<Bu, B> {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn for_body<B2>(self) -> RetryLayer<Bu, B2> {
+    pub fn for_body<B2>(self) -> RetryLayer<Bu, B2, M> {
         RetryLayer {
             shared: self.shared,
+            recorder: self.recorder,
             _body: PhantomData,
         }
     }
@@ -159,15 +169,19 @@ impl<Bu, B> RetryLayer<Bu, B> {
     pub fn replay_memory_in_use(&self) -> usize {
         self.shared.replay_memory.used()
     }
+}
 
+impl<Bu, B> RetryLayer<Bu, B> {
     /// Records gRPC's standard client metrics (gRFC A66 and A96) for every
     /// call through the layer, as [`GrpcMetrics`](crate::otel::GrpcMetrics)
-    /// says (feature `opentelemetry`). The first metrics given to a layer
-    /// are kept; later ones are ignored, with a warning event.
+    /// says (feature `opentelemetry`).
     ///
-    /// Clones of a layer are one layer (they share its budget, its counters
-    /// and so these metrics, and its `grpc.target`): give the metrics before
-    /// cloning it, and build a layer of its own for each target.
+    /// The layer returned is of another type: its metrics are a type
+    /// parameter, so a layer without them pays nothing for them, not even a
+    /// check. Clones of a layer share its budget and counters: give a layer
+    /// its metrics before cloning it, and build a layer of its own for each
+    /// target. (Of two clones given metrics each, both record their calls,
+    /// and the refusals counter is the first's, with a warning event.)
     ///
     /// ```
     /// use opentelemetry::metrics::MeterProvider;
@@ -185,32 +199,35 @@ impl<Bu, B> RetryLayer<Bu, B> {
     /// ```
     #[cfg(feature = "opentelemetry")]
     #[must_use]
-    pub fn with_grpc_metrics(self, metrics: crate::otel::GrpcMetrics) -> Self
+    pub fn with_grpc_metrics(
+        self,
+        metrics: crate::otel::GrpcMetrics,
+    ) -> RetryLayer<Bu, B, crate::otel::Recorder>
     where
         Bu: crate::budget::Budget,
     {
-        const IGNORED: &str =
-            "this layer (or a clone of it) records gRPC metrics already; these are ignored";
-        if self.shared.otel.get().is_some() {
-            tracing::warn!(?metrics, "{IGNORED}");
-            return self;
-        }
         let throttle = self.shared.budget.refusal_keeps_status();
         let (otel, refusals) = metrics.build(throttle);
-        if self.shared.otel.set(Arc::new(otel)).is_ok() {
-            self.shared.metrics.export_refusals(refusals);
-            self.shared.budget_moved();
-        } else {
-            tracing::warn!("{IGNORED}");
+        if !self.shared.metrics.export_refusals(refusals) {
+            tracing::warn!(
+                "a clone of this layer records gRPC metrics already: its refusals counter is kept"
+            );
         }
-        self
+        let recorder = crate::otel::Recorder::new(otel);
+        recorder.balance(|| self.shared.budget.balance());
+        RetryLayer {
+            shared: self.shared,
+            recorder,
+            _body: PhantomData,
+        }
     }
 }
 
-impl<Bu, B> Clone for RetryLayer<Bu, B> {
+impl<Bu, B, M: Clone> Clone for RetryLayer<Bu, B, M> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
+            recorder: self.recorder.clone(),
             _body: PhantomData,
         }
     }
@@ -220,26 +237,28 @@ impl<Bu, B> Clone for RetryLayer<Bu, B> {
 // and its futures and bodies to be sendable to a drain task, where the
 // service is made, so that no impl a call's future needs asks for
 // it (see `RetryService`'s "Spawning calls").
-impl<S, Bu, B, RB> Layer<S> for RetryLayer<Bu, B>
+impl<S, Bu, B, RB, M> Layer<S> for RetryLayer<Bu, B, M>
 where
     S: Service<Request<B>, Response = Response<RB>>,
     S::Error: Into<BoxError>,
     S::Future: Send + 'static,
     RB: http_body::Body + Send + 'static,
+    M: Metrics,
 {
-    type Service = RetryService<S, Bu, B>;
+    type Service = RetryService<S, Bu, B, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RetryService::from_shared(inner, Arc::clone(&self.shared))
+        RetryService::from_shared(inner, Arc::clone(&self.shared), self.recorder.clone())
     }
 }
 
-impl<Bu: fmt::Debug, B> fmt::Debug for RetryLayer<Bu, B> {
+impl<Bu: fmt::Debug, B, M: fmt::Debug> fmt::Debug for RetryLayer<Bu, B, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLayer")
             .field("policies", &self.shared.policies)
             .field("budget", &self.shared.budget)
             .field("metrics", &self.shared.metrics)
+            .field("recorder", &self.recorder)
             .finish()
     }
 }

@@ -258,6 +258,7 @@ pub use policy::{
 pub use replay::{ReplayBody, ReplayError};
 pub use service::RetryService;
 pub use throttle::RetryThrottle;
+pub use trace::{Metrics, NoMetrics};
 
 // The README's snippets compile (and run, where they need no server) as doc
 // tests, so what a newcomer pastes works.

@@ -104,10 +104,11 @@ impl RetryMetrics {
         }
     }
 
-    /// Sends refusals to `refusals` too (the first given is kept).
+    /// Sends refusals to `refusals` too. The first given is kept: whether
+    /// these are.
     #[cfg(feature = "opentelemetry")]
-    pub(crate) fn export_refusals(&self, refusals: crate::otel::Refusals) {
-        let _ = self.inner.refusals.set(refusals);
+    pub(crate) fn export_refusals(&self, refusals: crate::otel::Refusals) -> bool {
+        self.inner.refusals.set(refusals).is_ok()
     }
 
     /// Attempts sent whose outcome came back (first attempts and retries;

@@ -26,7 +26,7 @@ use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
 use crate::replay::{Account, ReplayBody};
 use crate::shared::{Local, Shared};
-use crate::trace::CallEnd;
+use crate::trace::{CallEnd, Metrics, NoMetrics};
 
 /// Retries gRPC calls to the inner service; see the [crate docs](crate).
 ///
@@ -94,14 +94,14 @@ use crate::trace::CallEnd;
 /// and `Box<dyn Error + '_>: Into<BoxError>` does not hold for every lifetime.
 // NOTE: the one bound here is what names `S::Error` in `into_box`; it holds
 // for every service of requests with a body of `B`, whatever its error type.
-pub struct RetryService<S, Bu = RetryBudget, B = tonic::body::Body>
+pub struct RetryService<S, Bu = RetryBudget, B = tonic::body::Body, M = NoMetrics>
 where
     S: Service<Request<B>>,
 {
     inner: S,
     /// Whether `inner` said it was ready and no call has used it since.
     ready: bool,
-    shared: Arc<Local<Bu>>,
+    shared: Arc<Local<Bu, M>>,
     into_box: fn(S::Error) -> BoxError,
     drain: Drainer<S::Future>,
 }
@@ -134,21 +134,30 @@ where
     where
         Bu: Budget,
     {
-        Self::from_shared(inner, Shared::new(policy.into(), budget))
+        Self::from_shared(inner, Shared::new(policy.into(), budget), NoMetrics)
     }
+}
 
-    pub(crate) fn from_shared(inner: S, shared: Arc<Shared<Bu>>) -> Self {
+impl<S, Bu, B, RB, M> RetryService<S, Bu, B, M>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: Body + Send + 'static,
+    M: Metrics,
+{
+    pub(crate) fn from_shared(inner: S, shared: Arc<Shared<Bu>>, recorder: M) -> Self {
         Self {
             inner,
             ready: false,
-            shared: Local::new(&shared),
+            shared: Local::new(&shared, recorder),
             into_box: Into::into,
             drain: drain::spawn,
         }
     }
 }
 
-impl<S, Bu, B> RetryService<S, Bu, B>
+impl<S, Bu, B, M> RetryService<S, Bu, B, M>
 where
     S: Service<Request<B>>,
 {
@@ -178,9 +187,10 @@ where
     }
 }
 
-impl<S, Bu, B> Clone for RetryService<S, Bu, B>
+impl<S, Bu, B, M> Clone for RetryService<S, Bu, B, M>
 where
     S: Service<Request<B>> + Clone,
+    M: Metrics,
 {
     fn clone(&self) -> Self {
         Self {
@@ -195,16 +205,17 @@ where
 
 // NOTE: no bound on `S::Error` here, nor on any impl a call's future needs:
 // see "Spawning calls" above.
-impl<S, B, RB, Bu> Service<Request<B>> for RetryService<S, Bu, B>
+impl<S, B, RB, Bu, M> Service<Request<B>> for RetryService<S, Bu, B, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: Body<Data = Bytes> + From<ReplayBody<B>> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
     Bu: Budget,
+    M: Metrics,
 {
-    type Response = Response<ResponseBody<RB>>;
+    type Response = Response<ResponseBody<RB, M>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, B, RB, Bu>;
+    type Future = ResponseFuture<S, B, RB, Bu, M>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // NOTE: a call's deadline is only known from its request, so a caller
@@ -346,7 +357,7 @@ fn callers_mark(parts: &mut Parts, in_headers: bool) -> AlreadyTried {
     tried
 }
 
-impl<S, Bu, B> fmt::Debug for RetryService<S, Bu, B>
+impl<S, Bu, B, M> fmt::Debug for RetryService<S, Bu, B, M>
 where
     S: Service<Request<B>> + fmt::Debug,
     Bu: fmt::Debug,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use crate::methods::MethodPolicies;
 use crate::metrics::RetryMetrics;
 use crate::replay::{Account, ReplayMemory};
-use crate::trace::Trace;
+use crate::trace::{NoMetrics, Record, Trace};
 
 /// The policies, the budget and the counters of one layer: every service the
 /// layer makes, and every call through them, holds the same `Arc`.
@@ -15,9 +15,6 @@ pub(crate) struct Shared<Bu> {
     pub(crate) metrics: RetryMetrics,
     /// What the replay copies of the calls in flight hold together.
     pub(crate) replay_memory: ReplayMemory,
-    /// gRPC's standard metrics, once given to the layer.
-    #[cfg(feature = "opentelemetry")]
-    pub(crate) otel: std::sync::OnceLock<Arc<crate::otel::Otel>>,
 }
 
 impl<Bu> Shared<Bu> {
@@ -27,34 +24,7 @@ impl<Bu> Shared<Bu> {
             budget,
             metrics: RetryMetrics::default(),
             replay_memory: ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT),
-            #[cfg(feature = "opentelemetry")]
-            otel: std::sync::OnceLock::new(),
         })
-    }
-
-    /// The budget's balance may have moved: the gauge of gRPC's standard
-    /// metrics follows it, if the layer records them.
-    #[inline]
-    pub(crate) fn budget_moved(&self)
-    where
-        Bu: crate::budget::Budget,
-    {
-        #[cfg(feature = "opentelemetry")]
-        if let Some(otel) = self.otel.get() {
-            otel.balance(self.budget.balance());
-        }
-    }
-
-    /// The metrics trace of a call to `path` starting now: nothing unless
-    /// the layer was given gRPC's standard metrics.
-    #[inline]
-    pub(crate) fn trace(&self, path: &str) -> Trace {
-        #[cfg(feature = "opentelemetry")]
-        if let Some(otel) = self.otel.get() {
-            return otel.call(path);
-        }
-        let _ = path;
-        Trace::none()
     }
 }
 
@@ -70,19 +40,40 @@ impl<Bu> Shared<Bu> {
 /// cache line pair (as `crossbeam`'s `CachePadded` on x86-64, where lines
 /// are fetched in pairs), so that two services' handles, made one after the
 /// other, never share one.
+///
+/// It holds what records the calls' standard metrics too, which the layer's
+/// type chose: nothing, by default.
 #[repr(align(128))]
-pub(crate) struct Local<Bu> {
+pub(crate) struct Local<Bu, M = NoMetrics> {
     shared: Arc<Shared<Bu>>,
     /// Where this service's calls count their attempts.
     stripe: usize,
+    recorder: M,
 }
 
-impl<Bu> Local<Bu> {
-    pub(crate) fn new(shared: &Arc<Shared<Bu>>) -> Arc<Self> {
+impl<Bu, M: Record + Clone> Local<Bu, M> {
+    pub(crate) fn new(shared: &Arc<Shared<Bu>>, recorder: M) -> Arc<Self> {
         Arc::new(Self {
             shared: Arc::clone(shared),
             stripe: shared.metrics.stripe(),
+            recorder,
         })
+    }
+
+    /// The budget's balance may have moved: the gauge of gRPC's standard
+    /// metrics follows it, if the layer records them.
+    #[inline(always)]
+    pub(crate) fn budget_moved(&self)
+    where
+        Bu: crate::budget::Budget,
+    {
+        self.recorder.balance(|| self.shared.budget.balance());
+    }
+
+    /// The metrics trace of a call to `path` starting now.
+    #[inline(always)]
+    pub(crate) fn trace(&self, path: &str) -> Trace<M> {
+        self.recorder.call(path)
     }
 
     /// Counts an attempt sent by one of this service's calls.
@@ -93,11 +84,11 @@ impl<Bu> Local<Bu> {
 
     /// A handle of its own for another service of the same layer.
     pub(crate) fn fork(&self) -> Arc<Self> {
-        Self::new(&self.shared)
+        Self::new(&self.shared, self.recorder.clone())
     }
 }
 
-impl<Bu> std::ops::Deref for Local<Bu> {
+impl<Bu, M> std::ops::Deref for Local<Bu, M> {
     type Target = Shared<Bu>;
 
     #[inline(always)]
@@ -106,7 +97,7 @@ impl<Bu> std::ops::Deref for Local<Bu> {
     }
 }
 
-impl<Bu: Send + Sync> Account for Local<Bu> {
+impl<Bu: Send + Sync, M: Send + Sync> Account for Local<Bu, M> {
     #[inline]
     fn memory(&self) -> &ReplayMemory {
         &self.shared.replay_memory

@@ -1,87 +1,176 @@
-//! Where a call's standard metrics are recorded: by [`crate::otel`] with
-//! feature `opentelemetry`; without it, by types of no size whose every
-//! method does nothing, so the call path is the same code either way.
+//! Where a call's standard metrics are recorded: a layer's type says by what.
+//!
+//! A layer records nothing unless it was given gRPC's standard metrics
+//! (`RetryLayer::with_grpc_metrics`, feature `opentelemetry`), which changes
+//! its type. The recorder is a type
+//! parameter of every call's types, not a value checked at run time: with
+//! [`NoMetrics`], the default, every trace is of no size and every step of
+//! it is nothing, so a layer without metrics is the same code whether the
+//! feature is compiled or not.
 
-#[cfg(feature = "opentelemetry")]
-pub(crate) use crate::otel::{AttemptTrace, Trace};
+use std::fmt;
 
-#[cfg(not(feature = "opentelemetry"))]
-pub(crate) use off::{AttemptTrace, Trace};
+use tonic::Code;
 
-#[cfg(not(feature = "opentelemetry"))]
-mod off {
+use crate::body::ResponseBody;
+
+/// What records a layer's calls into gRPC's standard metrics: [`NoMetrics`],
+/// the default, or (feature `opentelemetry`) `otel::Recorder`, which
+/// `RetryLayer::with_grpc_metrics` gives a layer. Sealed: this crate's two
+/// are the only ones.
+pub trait Metrics: sealed::Record + Clone + Send + Sync + 'static {}
+
+/// The default of a layer given no metrics: nothing is recorded, and nothing
+/// is paid for it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoMetrics;
+
+impl Metrics for NoMetrics {}
+
+pub(crate) mod sealed {
+    use std::fmt;
+
     use tonic::Code;
 
-    #[derive(Clone, Default)]
-    pub(crate) struct Trace;
+    /// How a [`Metrics`](super::Metrics) records.
+    pub trait Record {
+        /// A call's trace.
+        type Call: CallRecord<Attempt = Self::Attempt>;
+        /// An attempt's trace, ended once: by its outcome, or `CANCELLED` when
+        /// dropped first.
+        type Attempt: AttemptRecord;
 
-    impl Trace {
-        #[inline(always)]
-        pub(crate) fn none() -> Self {
-            Trace
-        }
+        /// The trace of a call to `path` starting now.
+        fn call(&self, path: &str) -> Self::Call;
 
-        #[inline(always)]
-        pub(crate) fn attempt(&self) -> AttemptTrace {
-            AttemptTrace
-        }
-
-        #[inline(always)]
-        pub(crate) fn retry(&self) {}
-
-        #[inline(always)]
-        pub(crate) fn hedge(&self) {}
-
-        #[inline(always)]
-        pub(crate) fn end(&self, _code: Code) {}
-
-        #[inline(always)]
-        pub(crate) fn is_on(&self) -> bool {
-            false
-        }
+        /// The budget's balance may have moved: `tokens` reads it.
+        fn balance(&self, tokens: impl FnOnce() -> Option<f64>);
     }
 
-    #[derive(Debug, Default)]
-    pub(crate) struct AttemptTrace;
+    pub trait CallRecord: Clone + Send + Sync + 'static {
+        /// Whether it records anything: a trace that does not is of no size,
+        /// and every check of this is gone at compile time.
+        const ON: bool;
 
-    impl AttemptTrace {
-        pub(crate) const NONE: Self = AttemptTrace;
+        type Attempt;
+
+        /// An attempt is sent now: counted, timed until it ends.
+        fn attempt(&self) -> Self::Attempt;
+
+        /// A retry is being sent (a transparent one if the attempt before
+        /// it got no response).
+        fn retry(&self);
+
+        /// A hedge is being sent.
+        fn hedge(&self);
+
+        /// The call ends now with `code` (only its first end counts).
+        fn end(&self, code: Code);
+    }
+
+    pub trait AttemptRecord: Default + fmt::Debug + Send + Sync + 'static {
+        /// As [`CallRecord::ON`].
+        const ON: bool;
+
+        /// Not started (an attempt not sent yet, or a body with no attempt
+        /// to end).
+        const NONE: Self;
+
+        /// Whether the attempt is open (started, not ended).
+        fn is_open(&self) -> bool;
+
+        /// The attempt ended with `code`.
+        fn end(&mut self, code: Code);
+
+        /// The attempt got no response at all: ends `UNAVAILABLE`, and a
+        /// retry after it is transparent.
+        fn no_response(&mut self);
+
+        /// The attempt's response goes to the caller: its end is the call's.
+        /// Whether the attempt is still open, to end it.
+        fn ends_call(&mut self) -> bool;
+    }
+
+    impl Record for super::NoMetrics {
+        type Call = super::NoMetrics;
+        type Attempt = super::NoMetrics;
 
         #[inline(always)]
-        pub(crate) fn end(&mut self, _code: Code) {}
+        fn call(&self, _path: &str) -> Self::Call {
+            super::NoMetrics
+        }
 
         #[inline(always)]
-        pub(crate) fn no_response(&mut self) {}
+        fn balance(&self, _tokens: impl FnOnce() -> Option<f64>) {}
+    }
+
+    impl CallRecord for super::NoMetrics {
+        const ON: bool = false;
+        type Attempt = super::NoMetrics;
 
         #[inline(always)]
-        pub(crate) fn ends_call(&mut self) -> bool {
+        fn attempt(&self) -> Self::Attempt {
+            super::NoMetrics
+        }
+
+        #[inline(always)]
+        fn retry(&self) {}
+
+        #[inline(always)]
+        fn hedge(&self) {}
+
+        #[inline(always)]
+        fn end(&self, _code: Code) {}
+    }
+
+    impl AttemptRecord for super::NoMetrics {
+        const ON: bool = false;
+        const NONE: Self = super::NoMetrics;
+
+        #[inline(always)]
+        fn is_open(&self) -> bool {
             false
         }
 
         #[inline(always)]
-        pub(crate) fn is_on(&self) -> bool {
+        fn end(&mut self, _code: Code) {}
+
+        #[inline(always)]
+        fn no_response(&mut self) {}
+
+        #[inline(always)]
+        fn ends_call(&mut self) -> bool {
             false
         }
     }
 }
 
-use crate::body::ResponseBody;
+pub(crate) use sealed::{AttemptRecord, CallRecord, Record};
+
+/// A call's trace, as its layer records it.
+pub(crate) type Trace<M> = <M as Record>::Call;
+
+/// An attempt's trace, as its layer records it.
+pub(crate) type AttemptTrace<M> = <M as Record>::Attempt;
 
 /// The end of a call its response future is waiting for: `CANCELLED` if
 /// the future is dropped first; otherwise its response's (a status answer
 /// ends the call at once, a streamed one when its body ends).
-#[derive(Default)]
-pub(crate) struct CallEnd(Option<Trace>);
+pub(crate) struct CallEnd<M: Metrics>(Option<Trace<M>>);
 
-impl CallEnd {
-    pub(crate) fn new(trace: Trace) -> Self {
-        Self(trace.is_on().then_some(trace))
+impl<M: Metrics> CallEnd<M> {
+    #[inline(always)]
+    pub(crate) fn new(trace: Trace<M>) -> Self {
+        Self(<Trace<M> as CallRecord>::ON.then_some(trace))
     }
 
     /// The response future is ready with `response`, which the caller gets:
     /// the call ends now if its headers say how, else when its body ends.
-    pub(crate) fn ready<B>(&mut self, response: &mut http::Response<ResponseBody<B>>) {
-        if let Some(trace) = self.0.take() {
+    #[inline(always)]
+    pub(crate) fn ready<B>(&mut self, response: &mut http::Response<ResponseBody<B, M>>) {
+        if <Trace<M> as CallRecord>::ON
+            && let Some(trace) = self.0.take()
+        {
             let code = crate::status::code_at_headers(response.status(), response.headers());
             match code {
                 Some(code) => trace.end(code),
@@ -89,7 +178,7 @@ impl CallEnd {
                     if !response.body_mut().ends_call() {
                         // No attempt's metrics in the body: nothing else
                         // would end the call.
-                        trace.end(tonic::Code::Unknown);
+                        trace.end(Code::Unknown);
                     }
                 }
             }
@@ -97,10 +186,19 @@ impl CallEnd {
     }
 }
 
-impl Drop for CallEnd {
+impl<M: Metrics> Drop for CallEnd<M> {
+    #[inline(always)]
     fn drop(&mut self) {
-        if let Some(trace) = self.0.take() {
-            trace.end(tonic::Code::Cancelled);
+        if <Trace<M> as CallRecord>::ON
+            && let Some(trace) = self.0.take()
+        {
+            trace.end(Code::Cancelled);
         }
+    }
+}
+
+impl<M: Metrics> fmt::Debug for CallEnd<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CallEnd")
     }
 }

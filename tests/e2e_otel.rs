@@ -36,7 +36,15 @@ async fn bounded<F: Future>(f: F) -> F::Output {
         .expect("the call hung")
 }
 
-type Client = LibraryClient<tonic_retry::RetryService<tonic::transport::Channel>>;
+/// A client through a layer given metrics: its metrics are in its type.
+type Client = LibraryClient<
+    tonic_retry::RetryService<
+        tonic::transport::Channel,
+        RetryBudget,
+        tonic::body::Body,
+        tonic_retry::otel::Recorder,
+    >,
+>;
 
 /// A generated client through a layer recording on `exported`, `grpc.target`
 /// the instance's URI, and both methods named.

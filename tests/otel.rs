@@ -15,7 +15,7 @@ use support::exported::{Exported, Point, attrs};
 use support::*;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::otel::{GrpcMetrics, LATENCY_BUCKETS};
+use tonic_retry::otel::{GrpcMetrics, LATENCY_BUCKETS, Recorder};
 use tonic_retry::{HedgePolicy, MethodPolicies, RetryBudget, RetryLayer, RetryPolicy};
 use tower::{Layer, Service, ServiceExt};
 use tower_test::mock;
@@ -23,7 +23,7 @@ use tower_test::mock;
 const MS: Duration = Duration::from_millis(1);
 const GET_BOOK: &str = "/library.v1.Library/GetBook";
 
-type Svc = tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>>;
+type Svc = support::Svc<Recorder>;
 
 fn layered(
     policy: impl Into<MethodPolicies>,
@@ -48,7 +48,7 @@ fn to(path: &str) -> Request<Body> {
     req
 }
 
-async fn call(svc: &mut Svc, req: Request<Body>) -> tokio::task::JoinHandle<Outcome> {
+async fn call(svc: &mut Svc, req: Request<Body>) -> tokio::task::JoinHandle<Outcome<Recorder>> {
     let ready = svc.ready().await.unwrap();
     tokio::spawn(ready.call(req))
 }

@@ -41,12 +41,14 @@ fn churn(exported: Option<&Exported>, n: usize) -> isize {
     let before = LIVE.load(Ordering::Relaxed);
     for i in 0..n {
         let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(10, 0.1).unwrap());
-        let layer = match exported {
-            Some(exported) => layer
-                .with_grpc_metrics(exported.metrics(&format!("dns:///backend-{}:50051", i % 4))),
-            None => layer,
-        };
-        drop(layer);
+        match exported {
+            Some(exported) => {
+                drop(layer.with_grpc_metrics(
+                    exported.metrics(&format!("dns:///backend-{}:50051", i % 4)),
+                ))
+            }
+            None => drop(layer),
+        }
     }
     LIVE.load(Ordering::Relaxed) - before
 }

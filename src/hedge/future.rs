@@ -35,6 +35,7 @@ use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::{Local, Shared};
 use crate::status::{as_grpc_status, code_name, status_response};
+use crate::trace::Metrics;
 
 /// The balancer's report of one attempt's instance.
 type Slot = Arc<Mutex<Option<HeaderValue>>>;
@@ -51,17 +52,18 @@ struct InFlight<F> {
 
 pin_project! {
     /// One hedged call: see the [module docs](crate::hedge).
-    pub(crate) struct HedgeFuture<S, B, Bu>
+    pub(crate) struct HedgeFuture<S, B, Bu, M>
     where
         S: Service<Request<B>>,
+        M: Metrics,
     {
-        attempt: Attempt<S, B, Bu>,
-        shared: Arc<Local<Bu>>,
+        attempt: Attempt<S, B, Bu, M>,
+        shared: Arc<Local<Bu, M>>,
         policy: usize,
         // The request each attempt is a copy of; dropped once no more
         // attempts can be sent, which lets its body's copy go.
         template: Option<Request<ReplayBody<B>>>,
-        inflight: Vec<InFlight<AttemptFuture<S, B, Bu>>>,
+        inflight: Vec<InFlight<AttemptFuture<S, B, Bu, M>>>,
         // When the next hedge is due, if not now.
         timer: Option<Pin<Box<Sleep>>>,
         // A hedge is due now (the first attempt, or after a non-fatal answer).
@@ -94,9 +96,10 @@ pin_project! {
         latencies: Option<Arc<Latencies>>,
     }
 
-    impl<S, B, Bu> PinnedDrop for HedgeFuture<S, B, Bu>
+    impl<S, B, Bu, M> PinnedDrop for HedgeFuture<S, B, Bu, M>
     where
         S: Service<Request<B>>,
+        M: Metrics,
     {
         fn drop(this: Pin<&mut Self>) {
             // The caller dropped the call: hedges still waiting for their
@@ -112,13 +115,14 @@ pin_project! {
     }
 }
 
-impl<S, B, Bu> HedgeFuture<S, B, Bu>
+impl<S, B, Bu, M> HedgeFuture<S, B, Bu, M>
 where
     S: Service<Request<B>>,
+    M: Metrics,
 {
     pub(crate) fn new(
-        attempt: Attempt<S, B, Bu>,
-        shared: Arc<Local<Bu>>,
+        attempt: Attempt<S, B, Bu, M>,
+        shared: Arc<Local<Bu, M>>,
         policy: usize,
         request: Request<ReplayBody<B>>,
         deadline: Option<Instant>,
@@ -157,9 +161,9 @@ where
 }
 
 /// What one attempt's outcome means for the call.
-enum Judged<RB> {
+enum Judged<RB, M: Metrics> {
     /// The caller gets this: a normal response, `OK`, or a fatal status.
-    Commit(Response<ResponseBody<RB>>),
+    Commit(Response<ResponseBody<RB, M>>),
     /// Non-fatal: hedge again, at once or after the server's delay; `stop`
     /// when the server asked for no more.
     NonFatal { delay: Option<Duration>, stop: bool },
@@ -170,13 +174,14 @@ enum Judged<RB> {
     Deadline,
 }
 
-impl<S, B, RB, Bu> Future for HedgeFuture<S, B, Bu>
+impl<S, B, RB, Bu, M> Future for HedgeFuture<S, B, Bu, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
     Bu: Budget,
+    M: Metrics,
 {
-    type Output = Response<ResponseBody<RB>>;
+    type Output = Response<ResponseBody<RB, M>>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
@@ -524,17 +529,17 @@ fn next_request<B, F>(
 /// attempt counted, the budget charged or credited, the failed instance
 /// recorded, the last failure kept.
 #[allow(clippy::too_many_arguments)]
-fn judge<RB, Bu: Budget>(
-    outcome: Result<Response<ResponseBody<RB>>, Failure>,
+fn judge<RB, Bu: Budget, M: Metrics>(
+    outcome: Result<Response<ResponseBody<RB, M>>, Failure>,
     policy: &RetryPolicy,
-    shared: &Arc<Local<Bu>>,
+    shared: &Arc<Local<Bu, M>>,
     picked: Option<HeaderValue>,
     (number, started): (u32, Instant),
     latencies: Option<&Latencies>,
     sent: &mut u32,
     failed: &mut AlreadyTried,
     last: &mut Option<Last>,
-) -> Judged<RB> {
+) -> Judged<RB, M> {
     let non_fatal = policy.retryable;
     let (verdict, response) = match outcome {
         Err(
@@ -652,13 +657,13 @@ fn judge<RB, Bu: Budget>(
 /// The call's end when no attempt committed: the last non-fatal failure,
 /// marked "do not retry" for the layers above if a hedge was sent, or one was
 /// refused by the budget, the cap or the time left after an attempt was (§11).
-fn give_up<RB, Bu>(
+fn give_up<RB, Bu, M: Metrics>(
     last: Option<Last>,
     unsent: Option<Failure>,
     (sent, refused, out_of_time): (u32, bool, bool),
     policy: &RetryPolicy,
     shared: &Shared<Bu>,
-) -> Response<ResponseBody<RB>> {
+) -> Response<ResponseBody<RB, M>> {
     // The deadline left no time for the next attempt: the call ends
     // DEADLINE_EXCEEDED, naming how the last one ended, as a retried call
     // does (§3, §3a).

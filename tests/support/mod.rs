@@ -11,15 +11,17 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{ResponseBody, RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{Metrics, NoMetrics, ResponseBody, RetryBudget, RetryLayer, RetryPolicy};
 use tower::{BoxError, Layer, Service, ServiceExt};
 use tower_test::mock;
 
 pub const MS: Duration = Duration::from_millis(1);
 
 pub type Handle = mock::Handle<Request<Body>, Response<Body>>;
-pub type Svc = tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>>;
-pub type Outcome = Result<Response<ResponseBody<Body>>, BoxError>;
+/// A mock behind the layer; `M` is what records its metrics.
+pub type Svc<M = NoMetrics> =
+    tonic_retry::RetryService<mock::Mock<Request<Body>, Response<Body>>, RetryBudget, Body, M>;
+pub type Outcome<M = NoMetrics> = Result<Response<ResponseBody<Body, M>>, BoxError>;
 
 pub fn budget() -> RetryBudget {
     RetryBudget::new(200, 0.1).unwrap()
@@ -87,7 +89,7 @@ pub fn answer(code: Code) -> Response<Body> {
 
 /// Reads a response to its end, as a client does: the code its trailers (or
 /// its headers, for a Trailers-Only response) end the call with.
-pub async fn read_to_end(response: Response<ResponseBody<Body>>) -> Code {
+pub async fn read_to_end<M: Metrics>(response: Response<ResponseBody<Body, M>>) -> Code {
     use http_body_util::BodyExt;
     let headers_code = code_of(&response);
     let collected = response.into_body().collect().await.expect("the body");
@@ -113,7 +115,10 @@ pub fn message_of<B>(r: &Response<B>) -> String {
 }
 
 /// Starts a call through the service on its own task.
-pub async fn spawn_call(svc: &mut Svc, req: Request<Body>) -> tokio::task::JoinHandle<Outcome> {
+pub async fn spawn_call<M: Metrics>(
+    svc: &mut Svc<M>,
+    req: Request<Body>,
+) -> tokio::task::JoinHandle<Outcome<M>> {
     let svc = svc.ready().await.expect("mock is ready");
     tokio::spawn(svc.call(req))
 }
