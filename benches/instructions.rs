@@ -24,16 +24,7 @@ use common::*;
 use tonic_retry::RetryPolicy;
 
 fn main() {
-    let stack = std::env::var("STACK").unwrap_or_default();
-    let n = std::env::var("N")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("a runtime");
-    runtime.block_on(async move {
+    run_stack(|stack, n| async move {
         let payload = &SMALL[..];
         match stack.as_str() {
             "a" => timed(inner_ok(), n, payload).await,
@@ -47,6 +38,6 @@ fn main() {
             other => panic!(
                 "STACK must be a, b, c, c-no-key or c-per-method (c-otel is --bench instructions_otel), not {other:?}"
             ),
-        };
+        }
     });
 }

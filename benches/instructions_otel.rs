@@ -21,16 +21,7 @@ use tonic_retry::RetryPolicy;
 use tower::Layer;
 
 fn main() {
-    let stack = std::env::var("STACK").unwrap_or_default();
-    let n = std::env::var("N")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("a runtime");
-    runtime.block_on(async move {
+    run_stack(|stack, n| async move {
         let payload = &SMALL[..];
         match stack.as_str() {
             "a" => timed(inner_ok(), n, payload).await,
@@ -52,6 +43,6 @@ fn main() {
                 timed(layer.layer(inner_ok()), n, payload).await
             }
             other => panic!("STACK must be a or c-otel, not {other:?}"),
-        };
+        }
     });
 }

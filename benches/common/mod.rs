@@ -236,3 +236,23 @@ where
 pub fn zero_backoff() -> RetryPolicy {
     RetryPolicy::new(3, Duration::ZERO, Duration::ZERO, 0.0).expect("a valid policy")
 }
+
+/// For the callgrind benches: runs `calls(stack, n)` on a runtime of one
+/// thread, with `stack` and `n` from the `STACK` and `N` (default 10,000)
+/// environment variables.
+pub fn run_stack<F, Fut>(calls: F)
+where
+    F: FnOnce(String, u64) -> Fut,
+    Fut: std::future::Future<Output = std::time::Duration>,
+{
+    let stack = std::env::var("STACK").unwrap_or_default();
+    let n = std::env::var("N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(calls(stack, n));
+}
