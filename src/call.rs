@@ -675,13 +675,9 @@ where
         // Always a clone, even of a body that can no longer be replayed: `Retry`
         // only shows `retry` the outcomes of requests it holds a clone of, and
         // every outcome must pass `retry` for the budget and the final touches.
-        let mut clone = Request::new(req.body().clone());
-        *clone.method_mut() = req.method().clone();
-        *clone.uri_mut() = req.uri().clone();
-        *clone.version_mut() = req.version();
-        *clone.headers_mut() = req.headers().clone();
-        *clone.extensions_mut() = req.extensions().clone();
-        Some(clone)
+        // NOTE: cloned whole, not built empty and overwritten part by part:
+        // that made, then dropped, an empty URI and header map on every call.
+        Some(req.clone())
     }
 }
 
