@@ -502,7 +502,7 @@ where
                 return end_call(req, result, marked, metrics);
             }
             Err(Failure::NoBudget) => {
-                metrics.record(Event::RefusedByBudget);
+                self.shared.record(Event::RefusedByBudget);
                 tracing::debug!(
                     attempt = state.made,
                     key = key(req),
@@ -621,11 +621,11 @@ where
             }
             Decision::Done(_) => finish(result, state, verdict.code()),
             Decision::Throttled => {
-                metrics.record(Event::RefusedByBudget);
+                self.shared.record(Event::RefusedByBudget);
                 finish(result, state, verdict.code());
             }
             Decision::NoTime { left, .. } => {
-                metrics.record(Event::RefusedByDeadline);
+                self.shared.record(Event::RefusedByDeadline);
                 let ended_with = ended_with(state);
                 let message = if left.is_zero() {
                     format!("call deadline exceeded; {ended_with}")
@@ -635,7 +635,7 @@ where
                 *result = Ok(status_response(Code::DeadlineExceeded, message));
             }
             Decision::NoBudget { .. } => {
-                metrics.record(Event::RefusedByBudget);
+                self.shared.record(Event::RefusedByBudget);
                 let message = format!("retry budget exhausted; {}", ended_with(state));
                 *result = Ok(status_response(Code::ResourceExhausted, message));
             }

@@ -13,8 +13,6 @@ use crate::metrics::RetryMetrics;
 use crate::policy::RetryPolicy;
 use crate::service::RetryService;
 use crate::shared::Shared;
-#[cfg(feature = "opentelemetry")]
-use crate::trace::Record;
 use crate::trace::{Metrics, NoMetrics};
 
 /// Applies [`RetryService`] to a service: see the [crate docs](crate).
@@ -176,12 +174,14 @@ impl<Bu, B> RetryLayer<Bu, B> {
     /// call through the layer, as [`GrpcMetrics`](crate::otel::GrpcMetrics)
     /// says (feature `opentelemetry`).
     ///
-    /// The layer returned is of another type: its metrics are a type
-    /// parameter, so a layer without them pays nothing for them, not even a
-    /// check. Clones of a layer share its budget and counters: give a layer
-    /// its metrics before cloning it, and build a layer of its own for each
-    /// target. (Of two clones given metrics each, both record their calls,
-    /// and the refusals counter is the first's, with a warning event.)
+    /// The layer returned is of another type, `RetryLayer<Bu, B,
+    /// otel::Recorder>`: its metrics are a type parameter, so a layer without
+    /// them pays nothing for them, not even a check. The services it makes,
+    /// and its clones, record; a clone taken before this call is a layer
+    /// without metrics (its type says so) that shares the budget and the
+    /// counters. Give a layer its metrics before cloning it, and build a
+    /// layer of its own for each target. To choose at run time whether to
+    /// record, see [`with_optional_grpc_metrics`](Self::with_optional_grpc_metrics).
     ///
     /// ```
     /// use opentelemetry::metrics::MeterProvider;
@@ -206,14 +206,64 @@ impl<Bu, B> RetryLayer<Bu, B> {
     where
         Bu: crate::budget::Budget,
     {
+        let recorder = self.recorder_of(metrics);
+        self.recorded_by(recorder)
+    }
+
+    /// As [`with_grpc_metrics`](Self::with_grpc_metrics), with metrics
+    /// chosen at run time (from configuration, say): with `None` nothing is
+    /// recorded. One type for both, `RetryLayer<Bu, B, Option<otel::Recorder>>`,
+    /// at the cost of a check on each step of a call's trace when `None`.
+    ///
+    /// ```
+    /// use opentelemetry::metrics::MeterProvider;
+    /// use tonic_retry::otel::{GrpcMetrics, Recorder};
+    /// use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+    ///
+    /// fn layer(
+    ///     metrics: Option<GrpcMetrics>,
+    /// ) -> Result<RetryLayer<RetryBudget, tonic::body::Body, Option<Recorder>>, tonic_retry::ConfigError> {
+    ///     let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?);
+    ///     Ok(layer.with_optional_grpc_metrics(metrics))
+    /// }
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let provider = opentelemetry_sdk::metrics::SdkMeterProvider::default();
+    /// let meter = provider.meter("library-client");
+    /// let recorded = layer(Some(GrpcMetrics::new(&meter, "dns:///library:50051")))?;
+    /// let not_recorded = layer(None)?;
+    /// # let _ = (recorded, not_recorded);
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "opentelemetry")]
+    #[must_use]
+    pub fn with_optional_grpc_metrics(
+        self,
+        metrics: Option<crate::otel::GrpcMetrics>,
+    ) -> RetryLayer<Bu, B, Option<crate::otel::Recorder>>
+    where
+        Bu: crate::budget::Budget,
+    {
+        let recorder = metrics.map(|metrics| self.recorder_of(metrics));
+        self.recorded_by(recorder)
+    }
+
+    #[cfg(feature = "opentelemetry")]
+    fn recorder_of(&self, metrics: crate::otel::GrpcMetrics) -> crate::otel::Recorder
+    where
+        Bu: crate::budget::Budget,
+    {
         let throttle = self.shared.budget.refusal_keeps_status();
-        let (otel, refusals) = metrics.build(throttle);
-        if !self.shared.metrics.export_refusals(refusals) {
-            tracing::warn!(
-                "a clone of this layer records gRPC metrics already: its refusals counter is kept"
-            );
-        }
-        let recorder = crate::otel::Recorder::new(otel);
+        crate::otel::Recorder::new(metrics.build(throttle))
+    }
+
+    /// This layer, its calls recorded by `recorder` (which is given the
+    /// budget's balance now).
+    #[cfg(feature = "opentelemetry")]
+    fn recorded_by<M: Metrics>(self, recorder: M) -> RetryLayer<Bu, B, M>
+    where
+        Bu: crate::budget::Budget,
+    {
         recorder.balance(|| self.shared.budget.balance());
         RetryLayer {
             shared: self.shared,

@@ -33,9 +33,6 @@ struct Counters {
     drained: AtomicU64,
     drain_cut: AtomicU64,
     drain_refused: AtomicU64,
-    /// The OpenTelemetry counter of refusals, once the layer has metrics.
-    #[cfg(feature = "opentelemetry")]
-    refusals: std::sync::OnceLock<crate::otel::Refusals>,
 }
 
 /// How many stripes the attempts are counted in.
@@ -80,15 +77,6 @@ impl RetryMetrics {
             Event::DrainRefused => &c.drain_refused,
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        #[cfg(feature = "opentelemetry")]
-        if let Event::RefusedByBudget | Event::RefusedByDeadline = event
-            && let Some(refusals) = c.refusals.get()
-        {
-            match event {
-                Event::RefusedByBudget => refusals.by_budget(),
-                _ => refusals.by_deadline(),
-            }
-        }
     }
 
     /// The stripe for the attempts of a new service's calls.
@@ -102,13 +90,6 @@ impl RetryMetrics {
         if let Some(Stripe(count)) = self.inner.attempts.get(stripe) {
             count.fetch_add(1, Ordering::Relaxed);
         }
-    }
-
-    /// Sends refusals to `refusals` too. The first given is kept: whether
-    /// these are.
-    #[cfg(feature = "opentelemetry")]
-    pub(crate) fn export_refusals(&self, refusals: crate::otel::Refusals) -> bool {
-        self.inner.refusals.set(refusals).is_ok()
     }
 
     /// Attempts sent whose outcome came back (first attempts and retries;

@@ -62,7 +62,15 @@
 //! trace is of no size and every step of it compiles to nothing, so its call
 //! path is the same code whether this feature is compiled or not
 //! (BENCHMARKS.md, "No meter: the same code"). A call through a layer given
-//! metrics costs about 8,600 instructions more, on the real SDK.
+//! metrics costs about 8,600 instructions more, on the real SDK. A layer
+//! whose metrics are chosen at run time is a `RetryLayer<Bu, B,
+//! Option<Recorder>>`
+//! ([`with_optional_grpc_metrics`](crate::RetryLayer::with_optional_grpc_metrics)).
+//!
+//! A layer's clones, and the services it makes, record with it; a clone
+//! taken before it was given metrics is a layer without them, whose calls,
+//! refusals included, are not recorded (it shares the budget, and the gauge
+//! is set again at the next move of a call that records).
 //!
 //! [`RetryLayer::with_grpc_metrics`]: crate::RetryLayer::with_grpc_metrics
 
@@ -79,7 +87,7 @@ use tonic::Code;
 
 use crate::error::ConfigError;
 use crate::status::code_name;
-use crate::trace::{AttemptRecord, CallRecord, Metrics, Record};
+use crate::trace::{AttemptRecord, CallRecord, Metrics, Record, Refused};
 
 /// A66's bucket boundaries for latencies, in seconds.
 pub const LATENCY_BUCKETS: [f64; 41] = [
@@ -230,29 +238,29 @@ pub(crate) struct Otel {
     /// `f64`, NaN before the first).
     gauge: Gauge<f64>,
     gauged: AtomicU64,
+    refusals: Refusals,
 }
 
-/// What the layer counts that an OpenTelemetry counter records too: retries
-/// refused, by reason.
-pub(crate) struct Refusals {
+/// Retries refused, by reason.
+struct Refusals {
     counter: Counter<u64>,
     budget: [KeyValue; 2],
     deadline: [KeyValue; 2],
 }
 
 impl Refusals {
-    pub(crate) fn by_budget(&self) {
+    fn by_budget(&self) {
         self.counter.add(1, &self.budget);
     }
 
-    pub(crate) fn by_deadline(&self) {
+    fn by_deadline(&self) {
         self.counter.add(1, &self.deadline);
     }
 }
 
 impl GrpcMetrics {
     /// The layer's instruments; `throttle` says its budget is A6's throttle.
-    pub(crate) fn build(self, throttle: bool) -> (Otel, Refusals) {
+    pub(crate) fn build(self, throttle: bool) -> Otel {
         let m = &self.meter;
         let latency = |name: &'static str, description: &'static str| {
             m.f64_histogram(name)
@@ -290,7 +298,7 @@ impl GrpcMetrics {
             budget: reason(if throttle { "throttle" } else { "budget" }),
             deadline: reason("deadline"),
         };
-        let otel = Otel {
+        Otel {
             attempt_started: m
                 .u64_counter("grpc.client.attempt.started")
                 .with_unit("{attempt}")
@@ -333,8 +341,8 @@ impl GrpcMetrics {
             other: KeyValue::new("grpc.method", OTHER),
             gauge,
             gauged: AtomicU64::new(f64::NAN.to_bits()),
-        };
-        (otel, refusals)
+            refusals,
+        }
     }
 }
 
@@ -502,6 +510,13 @@ impl Record for Recorder {
     fn balance(&self, tokens: impl FnOnce() -> Option<f64>) {
         self.0.balance(tokens());
     }
+
+    fn refused(&self, reason: Refused) {
+        match reason {
+            Refused::Budget => self.0.refusals.by_budget(),
+            Refused::Deadline => self.0.refusals.by_deadline(),
+        }
+    }
 }
 
 // NOTE: `pub` in a private module: named by the recorder's trait (so
@@ -656,3 +671,62 @@ mod traces {
 }
 
 use traces::{AttemptMetrics, CallMetrics};
+
+/// A layer whose metrics were chosen at run time
+/// ([`RetryLayer::with_optional_grpc_metrics`](crate::RetryLayer::with_optional_grpc_metrics)):
+/// with `None`, nothing is recorded.
+impl Metrics for Option<Recorder> {}
+
+impl Record for Option<Recorder> {
+    type Call = Option<CallMetrics>;
+    type Attempt = AttemptMetrics;
+
+    #[inline]
+    fn call(&self, path: &str) -> Option<CallMetrics> {
+        self.as_ref().map(|recorder| recorder.call(path))
+    }
+
+    #[inline]
+    fn balance(&self, tokens: impl FnOnce() -> Option<f64>) {
+        if let Some(recorder) = self {
+            recorder.balance(tokens);
+        }
+    }
+
+    fn refused(&self, reason: Refused) {
+        if let Some(recorder) = self {
+            recorder.refused(reason);
+        }
+    }
+}
+
+impl CallRecord for Option<CallMetrics> {
+    const ON: bool = true;
+    type Attempt = AttemptMetrics;
+
+    #[inline]
+    fn attempt(&self) -> AttemptMetrics {
+        match self {
+            Some(call) => call.attempt(),
+            None => AttemptMetrics::NONE,
+        }
+    }
+
+    fn retry(&self) {
+        if let Some(call) = self {
+            call.retry();
+        }
+    }
+
+    fn hedge(&self) {
+        if let Some(call) = self {
+            call.hedge();
+        }
+    }
+
+    fn end(&self, code: Code) {
+        if let Some(call) = self {
+            call.end(code);
+        }
+    }
+}

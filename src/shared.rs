@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use crate::methods::MethodPolicies;
+use crate::metrics::Event;
 use crate::metrics::RetryMetrics;
 use crate::replay::{Account, ReplayMemory};
-use crate::trace::{NoMetrics, Record, Trace};
+use crate::trace::{NoMetrics, Record, Refused, Trace};
 
 /// The policies, the budget and the counters of one layer: every service the
 /// layer makes, and every call through them, holds the same `Arc`.
@@ -74,6 +75,17 @@ impl<Bu, M: Record + Clone> Local<Bu, M> {
     #[inline(always)]
     pub(crate) fn trace(&self, path: &str) -> Trace<M> {
         self.recorder.call(path)
+    }
+
+    /// Counts `event`; a refused retry is recorded in the standard metrics
+    /// too, if this service's layer records them.
+    pub(crate) fn record(&self, event: Event) {
+        self.shared.metrics.record(event);
+        match event {
+            Event::RefusedByBudget => self.recorder.refused(Refused::Budget),
+            Event::RefusedByDeadline => self.recorder.refused(Refused::Deadline),
+            _ => {}
+        }
     }
 
     /// Counts an attempt sent by one of this service's calls.

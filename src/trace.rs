@@ -18,7 +18,7 @@ use crate::body::ResponseBody;
 /// the default, or (feature `opentelemetry`) `otel::Recorder`, which
 /// `RetryLayer::with_grpc_metrics` gives a layer. Sealed: this crate's two
 /// are the only ones.
-pub trait Metrics: sealed::Record + Clone + Send + Sync + 'static {}
+pub trait Metrics: sealed::Record + Clone + fmt::Debug + Send + Sync + 'static {}
 
 /// The default of a layer given no metrics: nothing is recorded, and nothing
 /// is paid for it.
@@ -45,6 +45,18 @@ pub(crate) mod sealed {
 
         /// The budget's balance may have moved: `tokens` reads it.
         fn balance(&self, tokens: impl FnOnce() -> Option<f64>);
+
+        /// A retry (or hedge) was decided and not sent, for `reason`.
+        fn refused(&self, reason: Refused);
+    }
+
+    /// Why a retry was decided and not sent.
+    #[derive(Clone, Copy, Debug)]
+    pub enum Refused {
+        /// No token in the budget (or the throttle's).
+        Budget,
+        /// No time left.
+        Deadline,
     }
 
     pub trait CallRecord: Clone + Send + Sync + 'static {
@@ -102,6 +114,9 @@ pub(crate) mod sealed {
 
         #[inline(always)]
         fn balance(&self, _tokens: impl FnOnce() -> Option<f64>) {}
+
+        #[inline(always)]
+        fn refused(&self, _reason: Refused) {}
     }
 
     impl CallRecord for super::NoMetrics {
@@ -145,7 +160,7 @@ pub(crate) mod sealed {
     }
 }
 
-pub(crate) use sealed::{AttemptRecord, CallRecord, Record};
+pub(crate) use sealed::{AttemptRecord, CallRecord, Record, Refused};
 
 /// A call's trace, as its layer records it.
 pub(crate) type Trace<M> = <M as Record>::Call;

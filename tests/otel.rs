@@ -723,3 +723,111 @@ async fn a_hedged_calls_trailers_only_ok_moves_the_gauge() {
         "gauge {gauge}, balance {balance}"
     );
 }
+
+/// One call through `svc` whose only attempt fails UNAVAILABLE, and whose
+/// retry the budget (`RetryBudget::new(1, 0.001)`, empty) refuses.
+async fn a_call_refused_its_retry<M: tonic_retry::Metrics>(
+    svc: &mut support::Svc<M>,
+    handle: &mut Handle,
+) {
+    let c = spawn_call(svc, request()).await;
+    let (_, send, _) = next(handle).await;
+    send.send_response(status(Code::Unavailable));
+    assert_eq!(code_of(&c.await.unwrap().unwrap()), Code::ResourceExhausted);
+}
+
+fn empty_budget() -> RetryBudget {
+    RetryBudget::new(1, 0.001).unwrap()
+}
+
+/// A layer's metrics are in its type: a clone taken before it was given
+/// them records nothing, not even its refusals, though it shares the
+/// budget (and the gauge is set again by the next call that records).
+#[tokio::test(start_paused = true)]
+async fn a_clone_taken_before_the_metrics_records_nothing() {
+    let exported = Exported::new();
+    let layer = RetryLayer::new(RetryPolicy::default(), empty_budget());
+    let early = layer.clone();
+    let metered = layer.with_grpc_metrics(named(&exported));
+    let (inner, mut handle) = mock::pair();
+    let mut svc = early.layer(inner);
+    a_call_refused_its_retry(&mut svc, &mut handle).await;
+    let got = exported.collect();
+    for name in [
+        "grpc.client.attempt.started",
+        "grpc.client.call.duration",
+        "tonic_retry.retries.refused",
+    ] {
+        assert!(
+            got.points(name).is_empty(),
+            "{name}: {:?}",
+            got.points(name)
+        );
+    }
+
+    let (inner, mut handle) = mock::pair();
+    let mut svc = metered.layer(inner);
+    a_call_refused_its_retry(&mut svc, &mut handle).await;
+    let got = exported.collect();
+    assert_eq!(got.points("grpc.client.call.duration").len(), 1);
+    assert_eq!(got.points("tonic_retry.retries.refused").len(), 1);
+    let gauge = got.point("tonic_retry.budget.tokens", &[TARGET]).sum;
+    assert_eq!(gauge, metered.budget().available());
+}
+
+/// Two clones of a layer, each given metrics for a target of its own: a
+/// call's refusal is counted under its own layer's target, as its call is.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_is_recorded_under_the_calls_own_target() {
+    let exported = Exported::new();
+    let base = RetryLayer::new(RetryPolicy::default(), empty_budget());
+    let _a = base.clone().with_grpc_metrics(exported.metrics("a"));
+    let b = base.with_grpc_metrics(exported.metrics("b"));
+    let (inner, mut handle) = mock::pair();
+    let mut svc = b.layer(inner);
+    a_call_refused_its_retry(&mut svc, &mut handle).await;
+    let got = exported.collect();
+    let targets = |name| -> Vec<String> {
+        got.points(name)
+            .iter()
+            .map(|p| p.attributes["grpc.target"].clone())
+            .collect()
+    };
+    assert_eq!(targets("grpc.client.call.duration"), ["b"]);
+    assert_eq!(targets("tonic_retry.retries.refused"), ["b"]);
+}
+
+/// Metrics chosen at run time: one layer type, recording with `Some` and
+/// nothing with `None`.
+#[tokio::test(start_paused = true)]
+async fn metrics_chosen_at_run_time_are_recorded_or_not() {
+    fn layer(metrics: Option<GrpcMetrics>) -> RetryLayer<RetryBudget, Body, Option<Recorder>> {
+        RetryLayer::new(RetryPolicy::default(), empty_budget()).with_optional_grpc_metrics(metrics)
+    }
+    for on in [false, true] {
+        let exported = Exported::new();
+        let layer = layer(on.then(|| named(&exported)));
+        let (inner, mut handle) = mock::pair();
+        let mut svc = layer.layer(inner);
+        // A retried call: an attempt, a refusal, the call.
+        a_call_refused_its_retry(&mut svc, &mut handle).await;
+        // A call read to its trailers.
+        let c = spawn_call(&mut svc, request()).await;
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(answer(Code::Ok));
+        assert_eq!(read_to_end(c.await.unwrap().unwrap()).await, Code::Ok);
+        if !on {
+            assert!(exported.nothing(), "no metrics given, nothing recorded");
+            continue;
+        }
+        assert!(!exported.nothing(), "metrics given, recorded");
+        let got = exported.collect();
+        let count = |name| got.points(name).iter().map(|p| p.count).sum::<u64>();
+        let sum = |name| got.points(name).iter().map(|p| p.sum).sum::<f64>();
+        assert_eq!(sum("grpc.client.attempt.started"), 2.0);
+        assert_eq!(count("grpc.client.attempt.duration"), 2);
+        assert_eq!(count("grpc.client.call.duration"), 2);
+        assert_eq!(sum("tonic_retry.retries.refused"), 1.0);
+        assert!(!got.points("tonic_retry.budget.tokens").is_empty());
+    }
+}

@@ -257,7 +257,7 @@ where
                                     *this.frozen = true;
                                     *this.refused = true;
                                     *this.no_time = true;
-                                    this.shared.metrics.record(Event::RefusedByDeadline);
+                                    this.shared.record(Event::RefusedByDeadline);
                                 }
                                 *this.timer = Some(Box::pin(tokio::time::sleep_until(at)));
                                 *this.due = false;
@@ -288,7 +288,7 @@ where
                         {
                             *this.no_time = true;
                             if done.number > 1 {
-                                this.shared.metrics.record(Event::RefusedByDeadline);
+                                this.shared.record(Event::RefusedByDeadline);
                             }
                         }
                         *this.unsent = Some(failure);
@@ -550,7 +550,7 @@ fn judge<RB, Bu: Budget, M: Metrics>(
         ) => {
             tracing::debug!(attempt = number, "attempt not sent");
             if matches!(failure, Failure::NoBudget) {
-                shared.metrics.record(Event::RefusedByBudget);
+                shared.record(Event::RefusedByBudget);
             }
             return Judged::Unsent(failure);
         }

@@ -33,6 +33,18 @@ impl Exported {
         self.provider.force_flush().unwrap();
     }
 
+    /// Whether the provider had nothing to export: no instrument was made
+    /// on its meter, or none has a point.
+    pub fn nothing(&self) -> bool {
+        self.provider.force_flush().unwrap();
+        let exported = self.exporter.get_finished_metrics().unwrap();
+        exported.iter().all(|export| {
+            export
+                .scope_metrics()
+                .all(|scope| scope.metrics().next().is_none())
+        })
+    }
+
     /// What the exporter has after a flush.
     pub fn collect(&self) -> Collected {
         self.provider.force_flush().unwrap();
