@@ -264,7 +264,8 @@ impl<Bu, B> RetryLayer<Bu, B> {
     where
         Bu: crate::budget::Budget,
     {
-        recorder.balance(|| self.shared.budget.balance());
+        let shared = &self.shared;
+        recorder.balance(&shared.gauged, || shared.budget.balance());
         RetryLayer {
             shared: self.shared,
             recorder,

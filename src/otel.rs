@@ -76,7 +76,8 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -87,7 +88,7 @@ use tonic::Code;
 
 use crate::error::ConfigError;
 use crate::status::code_name;
-use crate::trace::{AttemptRecord, CallRecord, Metrics, Record, Refused};
+use crate::trace::{AttemptRecord, CallRecord, Gauged, Metrics, Record, Refused};
 
 /// A66's bucket boundaries for latencies, in seconds.
 pub const LATENCY_BUCKETS: [f64; 41] = [
@@ -234,10 +235,10 @@ pub(crate) struct Otel {
     any: usize,
     seen: RwLock<HashMap<Box<str>, KeyValue>>,
     other: KeyValue,
-    /// The budget's balance, and the one it was last set to (bits of an
-    /// `f64`, NaN before the first).
+    /// The budget's balance.
     gauge: Gauge<f64>,
-    gauged: AtomicU64,
+    /// The gauge's series, `target`, as a number to stamp a value set in it.
+    series: u64,
     refusals: Refusals,
 }
 
@@ -277,6 +278,8 @@ impl GrpcMetrics {
                     .with_boundaries(buckets.to_vec())
                     .build()
             };
+        // A fixed hasher: recorders of one target stamp its series alike.
+        let series = BuildHasherDefault::<DefaultHasher>::default().hash_one(&self.target);
         let target = KeyValue::new("grpc.target", self.target);
         // NOTE: a synchronous gauge, set when the balance moves, rather than
         // an observable one: OpenTelemetry keeps an observable instrument's
@@ -340,29 +343,37 @@ impl GrpcMetrics {
             seen: RwLock::default(),
             other: KeyValue::new("grpc.method", OTHER),
             gauge,
-            gauged: AtomicU64::new(f64::NAN.to_bits()),
+            series,
             refusals,
         }
     }
 }
 
 impl Otel {
-    /// The budget's balance may have moved: sets the gauge if it did.
+    /// The budget's balance may have moved: sets the gauge, unless the
+    /// last value any recorder of the budget set was this one, in this
+    /// series.
+    // NOTE: the stamp is shared by the budget's recorders, not kept by each:
+    // two may write one series (clones of a layer given metrics for one
+    // target), and one that skipped its own last value would leave the
+    // other's standing. For one series the stamp is the balance's bits
+    // turned by a constant, so no two balances share one; a stamp of another
+    // series could only match one of these for one balance in 2^64. Two
+    // threads moving the balance at once may set it out of order; the next
+    // move sets it right.
     #[inline]
-    pub(crate) fn balance(&self, tokens: Option<f64>) {
+    pub(crate) fn balance(&self, gauged: &Gauged, tokens: Option<f64>) {
         if let Some(tokens) = tokens {
-            let bits = tokens.to_bits();
-            if self.gauged.load(Ordering::Relaxed) != bits {
-                self.set_balance(tokens, bits);
+            let stamp = tokens.to_bits() ^ self.series;
+            if gauged.0.load(Ordering::Relaxed) != stamp {
+                self.set_balance(gauged, tokens, stamp);
             }
         }
     }
 
     #[inline(never)]
-    fn set_balance(&self, tokens: f64, bits: u64) {
-        // NOTE: two threads moving the balance at once may set it out of
-        // order; the next move sets it right.
-        self.gauged.store(bits, Ordering::Relaxed);
+    fn set_balance(&self, gauged: &Gauged, tokens: f64, stamp: u64) {
+        gauged.0.store(stamp, Ordering::Relaxed);
         self.gauge
             .record(tokens, std::slice::from_ref(&self.target));
     }
@@ -507,8 +518,8 @@ impl Record for Recorder {
     }
 
     #[inline]
-    fn balance(&self, tokens: impl FnOnce() -> Option<f64>) {
-        self.0.balance(tokens());
+    fn balance(&self, gauged: &Gauged, tokens: impl FnOnce() -> Option<f64>) {
+        self.0.balance(gauged, tokens());
     }
 
     fn refused(&self, reason: Refused) {
@@ -687,9 +698,9 @@ impl Record for Option<Recorder> {
     }
 
     #[inline]
-    fn balance(&self, tokens: impl FnOnce() -> Option<f64>) {
+    fn balance(&self, gauged: &Gauged, tokens: impl FnOnce() -> Option<f64>) {
         if let Some(recorder) = self {
-            recorder.balance(tokens);
+            recorder.balance(gauged, tokens);
         }
     }
 

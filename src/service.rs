@@ -361,6 +361,7 @@ impl<S, Bu, B, M> fmt::Debug for RetryService<S, Bu, B, M>
 where
     S: Service<Request<B>> + fmt::Debug,
     Bu: fmt::Debug,
+    M: fmt::Debug,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryService")
@@ -368,6 +369,7 @@ where
             .field("ready", &self.ready)
             .field("policies", &self.shared.policies)
             .field("budget", &self.shared.budget)
+            .field("recorder", self.shared.recorder())
             .finish()
     }
 }

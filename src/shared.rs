@@ -6,7 +6,7 @@ use crate::methods::MethodPolicies;
 use crate::metrics::Event;
 use crate::metrics::RetryMetrics;
 use crate::replay::{Account, ReplayMemory};
-use crate::trace::{NoMetrics, Record, Refused, Trace};
+use crate::trace::{Gauged, NoMetrics, Record, Refused, Trace};
 
 /// The policies, the budget and the counters of one layer: every service the
 /// layer makes, and every call through them, holds the same `Arc`.
@@ -16,6 +16,8 @@ pub(crate) struct Shared<Bu> {
     pub(crate) metrics: RetryMetrics,
     /// What the replay copies of the calls in flight hold together.
     pub(crate) replay_memory: ReplayMemory,
+    /// What the budget's gauge was last set to, by any recorder.
+    pub(crate) gauged: Gauged,
 }
 
 impl<Bu> Shared<Bu> {
@@ -25,6 +27,7 @@ impl<Bu> Shared<Bu> {
             budget,
             metrics: RetryMetrics::default(),
             replay_memory: ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT),
+            gauged: Gauged::default(),
         })
     }
 }
@@ -68,7 +71,9 @@ impl<Bu, M: Record + Clone> Local<Bu, M> {
     where
         Bu: crate::budget::Budget,
     {
-        self.recorder.balance(|| self.shared.budget.balance());
+        let shared = &self.shared;
+        self.recorder
+            .balance(&shared.gauged, || shared.budget.balance());
     }
 
     /// The metrics trace of a call to `path` starting now.
@@ -97,6 +102,13 @@ impl<Bu, M: Record + Clone> Local<Bu, M> {
     /// A handle of its own for another service of the same layer.
     pub(crate) fn fork(&self) -> Arc<Self> {
         Self::new(&self.shared, self.recorder.clone())
+    }
+}
+
+impl<Bu, M> Local<Bu, M> {
+    /// What records this service's calls.
+    pub(crate) fn recorder(&self) -> &M {
+        &self.recorder
     }
 }
 

@@ -16,8 +16,9 @@ use crate::body::ResponseBody;
 
 /// What records a layer's calls into gRPC's standard metrics: [`NoMetrics`],
 /// the default, or (feature `opentelemetry`) `otel::Recorder`, which
-/// `RetryLayer::with_grpc_metrics` gives a layer. Sealed: this crate's two
-/// are the only ones.
+/// `RetryLayer::with_grpc_metrics` gives a layer, or `Option<otel::Recorder>`
+/// (`RetryLayer::with_optional_grpc_metrics`). Sealed: these are the only
+/// ones.
 pub trait Metrics: sealed::Record + Clone + fmt::Debug + Send + Sync + 'static {}
 
 /// The default of a layer given no metrics: nothing is recorded, and nothing
@@ -43,12 +44,22 @@ pub(crate) mod sealed {
         /// The trace of a call to `path` starting now.
         fn call(&self, path: &str) -> Self::Call;
 
-        /// The budget's balance may have moved: `tokens` reads it.
-        fn balance(&self, tokens: impl FnOnce() -> Option<f64>);
+        /// The budget's balance may have moved: `tokens` reads it. `gauged`
+        /// is what every recorder of the budget last set the gauge to.
+        fn balance(&self, gauged: &Gauged, tokens: impl FnOnce() -> Option<f64>);
 
         /// A retry (or hedge) was decided and not sent, for `reason`.
         fn refused(&self, reason: Refused);
     }
+
+    /// What the budget's gauge was last set to, by any recorder of the
+    /// budget: a stamp of the balance and the series (the target) it was set
+    /// in, 0 before the first.
+    #[derive(Debug, Default)]
+    pub struct Gauged(
+        #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+        pub(crate)  std::sync::atomic::AtomicU64,
+    );
 
     /// Why a retry was decided and not sent.
     #[derive(Clone, Copy, Debug)]
@@ -113,7 +124,7 @@ pub(crate) mod sealed {
         }
 
         #[inline(always)]
-        fn balance(&self, _tokens: impl FnOnce() -> Option<f64>) {}
+        fn balance(&self, _gauged: &Gauged, _tokens: impl FnOnce() -> Option<f64>) {}
 
         #[inline(always)]
         fn refused(&self, _reason: Refused) {}
@@ -160,7 +171,7 @@ pub(crate) mod sealed {
     }
 }
 
-pub(crate) use sealed::{AttemptRecord, CallRecord, Record, Refused};
+pub(crate) use sealed::{AttemptRecord, CallRecord, Gauged, Record, Refused};
 
 /// A call's trace, as its layer records it.
 pub(crate) type Trace<M> = <M as Record>::Call;

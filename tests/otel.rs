@@ -831,3 +831,74 @@ async fn metrics_chosen_at_run_time_are_recorded_or_not() {
         assert!(!got.points("tonic_retry.budget.tokens").is_empty());
     }
 }
+
+/// A hedged call whose next hedge a server's delay pushes past the deadline,
+/// while a hedge already waits for its service: one refusal by the deadline,
+/// as a retried call counts (the waiting hedge, cut by the deadline, is the
+/// same refusal).
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_refused_by_the_deadline_counts_one_refusal() {
+    let exported = Exported::new();
+    let hedge = HedgePolicy::new(3, 10 * MS).unwrap();
+    let (mut svc, mut handle) = layered(hedge, budget(), named(&exported));
+    handle.allow(1);
+    let c = spawn_call(&mut svc, with_timeout(request(), "50m")).await;
+    let (_, first, _) = next(&mut handle).await;
+    // The hedge is due at 10 ms, and waits for its service.
+    tokio::time::sleep(15 * MS).await;
+    let mut r = status(Code::Unavailable);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
+    first.send_response(r);
+    let response = c.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    let got = exported.collect();
+    let refused: Vec<_> = got
+        .points("tonic_retry.retries.refused")
+        .iter()
+        .map(|p| (p.attributes["reason"].clone(), p.sum))
+        .collect();
+    assert_eq!(got.point("grpc.client.attempt.started", &[METHOD]).sum, 1.0);
+    assert_eq!(svc.metrics().refused_by_deadline(), 1, "RetryMetrics");
+    assert_eq!(refused, vec![("deadline".to_owned(), 1.0)]);
+}
+
+/// Two clones of a layer, each given metrics for the same target, with one
+/// budget: both write one gauge series, which follows the balance whichever
+/// moved it last.
+#[tokio::test(start_paused = true)]
+async fn the_gauge_follows_the_balance_across_two_recorders_of_one_target() {
+    let exported = Exported::new();
+    let once = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0).unwrap();
+    let base = RetryLayer::new(once, RetryBudget::new(10, 1.0).unwrap());
+    let a = base
+        .clone()
+        .with_optional_grpc_metrics(Some(named(&exported)));
+    let b = base.with_optional_grpc_metrics(Some(named(&exported)));
+    let (inner, mut ha) = mock::pair();
+    let mut sa = a.layer(inner);
+    let (inner, mut hb) = mock::pair();
+    let mut sb = b.layer(inner);
+    let gauge = || {
+        exported
+            .collect()
+            .point("tonic_retry.budget.tokens", &[TARGET])
+            .sum
+    };
+    assert_eq!((gauge(), a.budget().available()), (5.0, 5.0));
+    // Through b: a retry paid for (5 -> 4), which ends NOT_FOUND.
+    let c = spawn_call(&mut sb, request()).await;
+    let (_, send, _) = next(&mut hb).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, _) = next(&mut hb).await;
+    send.send_response(status(Code::NotFound));
+    assert_eq!(code_of(&c.await.unwrap().unwrap()), Code::NotFound);
+    assert_eq!((gauge(), a.budget().available()), (4.0, 4.0));
+    // Through a: a call that succeeds deposits (4 -> 5).
+    let c = spawn_call(&mut sa, request()).await;
+    let (_, send, _) = next(&mut ha).await;
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&c.await.unwrap().unwrap()), Code::Ok);
+    assert_eq!(a.budget().available(), 5.0);
+    assert_eq!(gauge(), a.budget().available(), "the exported gauge");
+}

@@ -286,10 +286,12 @@ where
                             why: Cut::Deadline, ..
                         } = failure
                         {
-                            *this.no_time = true;
-                            if done.number > 1 {
+                            // One refusal by the deadline a call: a server's
+                            // delay past it may have counted it already.
+                            if done.number > 1 && !*this.no_time {
                                 this.shared.record(Event::RefusedByDeadline);
                             }
+                            *this.no_time = true;
                         }
                         *this.unsent = Some(failure);
                     }
