@@ -645,6 +645,22 @@ async fn a_hedged_calls_pushback_wait_is_its_retry_delay() {
     assert!((delay.sum - 0.1).abs() < 0.003, "{}", delay.sum);
 }
 
+/// UNAVAILABLE, with a server's pushback of 100 ms.
+fn unavailable_for_100ms() -> Response<Body> {
+    let mut r = status(Code::Unavailable);
+    r.headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
+    r
+}
+
+/// The refused retries exported, by reason.
+fn refusals(got: &support::exported::Collected) -> Vec<(String, f64)> {
+    got.points("tonic_retry.retries.refused")
+        .iter()
+        .map(|p| (p.attributes["reason"].clone(), p.sum))
+        .collect()
+}
+
 /// A hedge the deadline leaves no time for is a refusal by the deadline, as
 /// a retry is, and the call ends DEADLINE_EXCEEDED (§3a), counted once.
 #[tokio::test(start_paused = true)]
@@ -659,24 +675,15 @@ async fn a_hedge_refused_by_the_deadline_is_counted_as_a_retry_is() {
         let (mut svc, mut handle) = layered(policies, budget(), named(&exported));
         let c = spawn_call(&mut svc, with_timeout(request(), "50m")).await;
         let (_, first, _) = next(&mut handle).await;
-        let mut r = status(Code::Unavailable);
-        r.headers_mut()
-            .insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
-        first.send_response(r);
+        first.send_response(unavailable_for_100ms());
         let response = c.await.unwrap().unwrap();
         assert_eq!(
             code_of(&response),
             Code::DeadlineExceeded,
             "hedged: {hedged}"
         );
-        let got = exported.collect();
-        let refused: Vec<_> = got
-            .points("tonic_retry.retries.refused")
-            .iter()
-            .map(|p| (p.attributes["reason"].clone(), p.sum))
-            .collect();
         assert_eq!(
-            refused,
+            refusals(&exported.collect()),
             vec![("deadline".to_owned(), 1.0)],
             "hedged: {hedged}"
         );
@@ -846,21 +853,13 @@ async fn a_hedged_call_refused_by_the_deadline_counts_one_refusal() {
     let (_, first, _) = next(&mut handle).await;
     // The hedge is due at 10 ms, and waits for its service.
     tokio::time::sleep(15 * MS).await;
-    let mut r = status(Code::Unavailable);
-    r.headers_mut()
-        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
-    first.send_response(r);
+    first.send_response(unavailable_for_100ms());
     let response = c.await.unwrap().unwrap();
     assert_eq!(code_of(&response), Code::DeadlineExceeded);
     let got = exported.collect();
-    let refused: Vec<_> = got
-        .points("tonic_retry.retries.refused")
-        .iter()
-        .map(|p| (p.attributes["reason"].clone(), p.sum))
-        .collect();
     assert_eq!(got.point("grpc.client.attempt.started", &[METHOD]).sum, 1.0);
     assert_eq!(svc.metrics().refused_by_deadline(), 1, "RetryMetrics");
-    assert_eq!(refused, vec![("deadline".to_owned(), 1.0)]);
+    assert_eq!(refusals(&got), vec![("deadline".to_owned(), 1.0)]);
 }
 
 /// Two clones of a layer, each given metrics for the same target, with one
