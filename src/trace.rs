@@ -2,11 +2,10 @@
 //!
 //! A layer records nothing unless it was given gRPC's standard metrics
 //! (`RetryLayer::with_grpc_metrics`, feature `opentelemetry`), which changes
-//! its type. The recorder is a type
-//! parameter of every call's types, not a value checked at run time: with
-//! [`NoMetrics`], the default, every trace is of no size and every step of
-//! it is nothing, so a layer without metrics is the same code whether the
-//! feature is compiled or not.
+//! its type. The recorder is a type parameter of every call's types, not a
+//! value checked at run time: with [`NoMetrics`], the default, every trace
+//! is of no size and every step of it is nothing, so a layer without metrics
+//! is the same code whether the feature is compiled or not.
 
 use std::fmt;
 
