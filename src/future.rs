@@ -9,12 +9,13 @@ use crate::budget::Budget;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio_util::sync::DropGuard;
+use tower::retry::Policy;
 use tower_service::Service;
 
-use crate::attempt::Attempt;
+use crate::attempt::{Attempt, AttemptFuture, Failure};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
-use crate::call::{CallPolicy, failure_response};
+use crate::call::{Backoff, CallPolicy, failure_response};
 use crate::replay::ReplayBody;
 use crate::trace::{CallEnd, Metrics, NoMetrics};
 
@@ -24,13 +25,58 @@ type Retrying<S, B, Bu, M> = tower::retry::future::ResponseFuture<
     Request<ReplayBody<B>>,
 >;
 
+/// What a retry of the call needs once its first attempt has failed: the
+/// copy of its request, its policy and its attempts' service.
+struct Retry<S, B, Bu, M>
+where
+    S: Service<Request<B>>,
+    M: Metrics,
+{
+    copy: Request<ReplayBody<B>>,
+    call: CallPolicy<Bu, M>,
+    attempt: Attempt<S, B, Bu, M>,
+}
+
+pin_project! {
+    #[project = StepProj]
+    enum Step<S, B, RB, Bu, M>
+    where
+        S: Service<Request<B>, Response = Response<RB>>,
+        S: Clone,
+        B: From<ReplayBody<B>>,
+        B: Send,
+        B: 'static,
+        Bu: Budget,
+        M: Metrics,
+    {
+        /// The first attempt, which the layer sends itself; `retry`, if
+        /// the call can be retried.
+        First {
+            #[pin]
+            future: AttemptFuture<S, B, Bu, M>,
+            retry: Option<Retry<S, B, Bu, M>>,
+        },
+        /// The wait before the first retry.
+        Waiting {
+            #[pin]
+            backoff: Backoff,
+            retry: Option<Retry<S, B, Bu, M>>,
+        },
+        /// The retries, in tower's `Retry`.
+        Retrying {
+            #[pin]
+            future: Retrying<S, B, Bu, M>,
+        },
+    }
+}
+
 pin_project! {
     /// Response future of [`RetryService`](crate::RetryService).
     ///
     /// Dropping it cancels the attempt in flight, or the backoff wait between
     /// attempts, and ends the drains of attempts cut by their own timeout;
     /// nothing is left running.
-    // NOTE: the bounds are those the type of `inner` needs (tower's retry
+    // NOTE: the bounds are those the type of `step` needs (tower's retry
     // future names its service's future); none is on `S::Error`, so a call
     // can be spawned whatever the inner service's error type.
     pub struct ResponseFuture<S, B, RB, Bu = RetryBudget, M = NoMetrics>
@@ -44,7 +90,7 @@ pin_project! {
         M: Metrics,
     {
         #[pin]
-        inner: Retrying<S, B, Bu, M>,
+        step: Step<S, B, RB, Bu, M>,
         // The call's end, for its metrics.
         end: CallEnd<M>,
         // Cancels the drains of the call's abandoned attempts if it is
@@ -61,13 +107,31 @@ where
     Bu: Budget,
     M: Metrics,
 {
+    /// The call of `req`: its first attempt sent now through `attempt`, and
+    /// its retries, if `call` asks for them, through tower's `Retry`.
+    // NOTE: what tower's `Retry::call` does for the first attempt (keep a
+    // copy, send the request), without building a `Retry` to clone into the
+    // future and drop: a call that succeeds at once never needs one. The
+    // retry loop is tower's, from the first retry on, fed the same policy,
+    // service and copy its `call` would have kept.
+    #[inline(always)]
     pub(crate) fn new(
-        inner: Retrying<S, B, Bu, M>,
+        mut call: CallPolicy<Bu, M>,
+        mut attempt: Attempt<S, B, Bu, M>,
+        req: Request<ReplayBody<B>>,
         end: CallEnd<M>,
         cancel: Option<DropGuard>,
     ) -> Self {
+        let copy =
+            Policy::<_, Response<ResponseBody<RB, M>>, Failure>::clone_request(&mut call, &req);
+        let future = attempt.call(req);
+        let retry = copy.map(|copy| Retry {
+            copy,
+            call,
+            attempt,
+        });
         Self {
-            inner,
+            step: Step::First { future, retry },
             end,
             cancel,
             _error: PhantomData,
@@ -86,9 +150,43 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         // NOTE: the call policy turns every failure into a status response
-        // before `Retry` hands it over; the mapping below only makes that total.
-        let this = self.project();
-        let mut response = match ready!(this.inner.poll(cx)) {
+        // before the caller is handed it; the mapping below only makes that
+        // total.
+        let mut this = self.project();
+        let result = loop {
+            match this.step.as_mut().project() {
+                StepProj::First { future, retry } => {
+                    let mut result = ready!(future.poll(cx));
+                    let Some(r) = retry.as_mut() else {
+                        break result;
+                    };
+                    match r.call.retry(&mut r.copy, &mut result) {
+                        None => break result,
+                        Some(backoff) => {
+                            let retry = retry.take();
+                            this.step.set(Step::Waiting { backoff, retry });
+                        }
+                    }
+                }
+                StepProj::Waiting { backoff, retry } => {
+                    ready!(backoff.poll(cx));
+                    let Some(Retry {
+                        copy,
+                        call,
+                        attempt,
+                    }) = retry.take()
+                    else {
+                        panic!("a call was polled after it completed");
+                    };
+                    // As tower's own loop does after a wait: the attempts'
+                    // service is always ready, and the retry goes out now.
+                    let future = tower::retry::Retry::new(call, attempt).call(copy);
+                    this.step.set(Step::Retrying { future });
+                }
+                StepProj::Retrying { future } => break ready!(future.poll(cx)),
+            }
+        };
+        let mut response = match result {
             Ok(response) => response,
             Err(failure) => failure_response(&failure, 1),
         };

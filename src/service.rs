@@ -9,7 +9,6 @@ use http::{Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
 use tower::BoxError;
-use tower::retry::Retry;
 use tower_service::Service;
 
 use crate::attempt::{Attempt, Limits};
@@ -322,11 +321,7 @@ where
         let hedged = policy.hedge.is_some();
         let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried, hedged);
         let cancel = attempt.cancel_on_drop();
-        ResponseFuture::new(
-            Retry::new(call, attempt).call(req),
-            CallEnd::new(trace),
-            cancel,
-        )
+        ResponseFuture::new(call, attempt, req, CallEnd::new(trace), cancel)
     }
 }
 
