@@ -1,5 +1,6 @@
-//! One attempt: the service tower's `Retry` calls for every attempt of a call,
-//! and the future that runs one attempt.
+//! One attempt: the service a call's attempts are sent through (the first by
+//! the call's response future, each retry by tower's `Retry`), and the future
+//! that runs one attempt.
 //!
 //! This is where a call's limits meet the inner service:
 //!
@@ -167,7 +168,7 @@ where
 {
     /// The attempts of one call under the policy at `index`, the first
     /// through `first`, which the caller's `poll_ready` made ready if `ready`.
-    /// A hedging policy's one call from tower's `Retry` starts the hedge
+    /// A hedging policy's one call (the call's first attempt) starts the hedge
     /// driver, which makes the call's attempts through a plain copy of this.
     // NOTE: inlined whatever features are compiled: with `opentelemetry`
     // the caller grew past the inliner's limit and this went out of line,
@@ -272,8 +273,9 @@ where
         if std::mem::take(&mut self.hedge) {
             return self.start_hedging(req);
         }
-        // NOTE: tower's `Retry` has already cloned the request it keeps for the
-        // next retry, so the report slot goes with this attempt only.
+        // NOTE: the copy kept for the next retry is already made (by the
+        // call's response future, or tower's `Retry`), so the report slot goes
+        // with this attempt only.
         if self.report {
             let picked = req.body().picked_instance();
             req.extensions_mut().insert(picked);

@@ -1,5 +1,6 @@
 //! One call's retry decisions: the per-call [`Policy`] that tower's `Retry`
-//! drives, and the backoff future it returns.
+//! drives (and the call's response future, for the first attempt's outcome),
+//! and the backoff future it returns.
 //!
 //! After every attempt, [`CallPolicy::retry`] reads the outcome and decides:
 //! classify (is this retryable at all?), then the attempts left, then the

@@ -315,9 +315,9 @@ where
             limits,
             trace.clone(),
         );
-        // NOTE: a hedged call is one "attempt" to tower's `Retry`, which the
-        // call policy never retries: the hedge driver runs inside it. So a
-        // retried call's future stays as small and cheap as before.
+        // NOTE: a hedged call is one "attempt", which the call policy never
+        // retries: the hedge driver runs inside it. So a retried call's
+        // future stays as small and cheap as before.
         let hedged = policy.hedge.is_some();
         let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried, hedged);
         let cancel = attempt.cancel_on_drop();

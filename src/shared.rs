@@ -37,8 +37,8 @@ impl<Bu> Shared<Bu> {
 /// calls hold this, not the layer's `Arc`.
 ///
 /// A call takes and lets go of its handle several times (its attempts, its
-/// call policy, tower's `Retry` cloning both, the budget credit its body
-/// carries): on one `Arc` for the whole layer, every call on every thread
+/// call policy, tower's `Retry` cloning both for a retry, the budget credit
+/// its body carries): on one `Arc` for the whole layer, every call on every thread
 /// would write to the same cache line that many times. On a service's own,
 /// those writes stay with the thread that calls through it. Aligned to a
 /// cache line pair (as `crossbeam`'s `CachePadded` on x86-64, where lines
