@@ -294,6 +294,10 @@ where
             if let Some((at, why)) = cut {
                 let now = Instant::now();
                 if at <= now {
+                    // Not sent: what the caller's `poll_ready` reserved on
+                    // the instance (a permit, a slot in a buffer or a
+                    // channel) is given back now, not when the call ends.
+                    self.release_readied();
                     let failure = Failure::Cut { why, sent: false };
                     return AttemptFuture::failed(failure, self.into_box);
                 }
@@ -341,6 +345,14 @@ where
     S: Service<Request<B>> + Clone,
     M: Metrics,
 {
+    /// Drops the instance the caller readied, unused, for a fresh clone:
+    /// dropping it gives back what its readiness reserved.
+    #[cold]
+    fn release_readied(&mut self) {
+        let fresh = self.inner.clone();
+        drop(std::mem::replace(&mut self.inner, fresh));
+    }
+
     /// The hedge driver for the call of `req`, making its attempts through a
     /// plain copy of this, on the instance the caller readied first.
     fn start_hedging(&mut self, req: Request<ReplayBody<B>>) -> AttemptFuture<S, B, Bu, M> {

@@ -1,0 +1,100 @@
+//! What the caller's `poll_ready` reserved below the layer (a permit, a slot
+//! in a buffer or a channel) is given back as soon as the call's first
+//! attempt ends unsent, not when the call's future is dropped: another call
+//! through the same stack is not held back by it.
+
+mod support;
+
+use std::time::Duration;
+
+use http::{Request, Response};
+use tokio::time::Instant;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{MethodPolicies, RetryLayer, RetryPolicy};
+use tower::limit::ConcurrencyLimit;
+use tower::{Layer, Service, ServiceExt};
+
+use support::*;
+
+type Limited = tonic_retry::RetryService<
+    ConcurrencyLimit<tower_test::mock::Mock<Request<Body>, Response<Body>>>,
+>;
+
+/// `layer` over a concurrency limit of one permit over a mock.
+fn one_permit(layer: RetryLayer) -> (Limited, Handle) {
+    let (mock, handle) = tower_test::mock::pair();
+    (layer.layer(ConcurrencyLimit::new(mock, 1)), handle)
+}
+
+/// A call to `Slow`, whose attempts have no time (a per-attempt timeout of
+/// zero): its first attempt is cut unsent, and it waits out a backoff.
+fn slow_request() -> Request<Body> {
+    let mut req = request();
+    *req.uri_mut() = "http://library/library.v1.Library/Slow".parse().unwrap();
+    req
+}
+
+fn zero_attempt_timeout_for_slow() -> RetryLayer {
+    let policies = MethodPolicies::with_default(RetryPolicy::default())
+        .with_method(
+            "library.v1.Library",
+            "Slow",
+            RetryPolicy::default().with_attempt_timeout(Duration::ZERO),
+        )
+        .unwrap();
+    RetryLayer::new(policies, budget())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_in_its_first_backoff_holds_no_capacity_below() {
+    let (mut svc, mut handle) = one_permit(zero_attempt_timeout_for_slow());
+    let start = Instant::now();
+
+    // A: readied (it takes the one permit), first attempt cut, backoff.
+    let a = tokio::spawn(svc.ready().await.unwrap().call(slow_request()));
+    settle().await;
+    assert!(!a.is_finished(), "A waits out its backoff");
+    let mut probe = svc.get_ref().clone();
+    assert!(
+        tokio::time::timeout(Duration::ZERO, probe.ready())
+            .await
+            .is_ok(),
+        "the permit A's caller reserved is still held during A's backoff"
+    );
+    drop(probe);
+
+    // B, another method, goes out at once.
+    let b = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, send, at) = next(&mut handle).await;
+    assert_eq!(at - start, Duration::ZERO, "B waited for A's backoff");
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&b.await.unwrap().unwrap()), Code::Ok);
+    a.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_ended_unsent_holds_no_capacity_below() {
+    let (mut svc, mut handle) = one_permit(RetryLayer::new(RetryPolicy::default(), budget()));
+    let start = Instant::now();
+
+    // A: its deadline has passed before its first attempt: answered at once.
+    let mut a = Box::pin(
+        svc.ready()
+            .await
+            .unwrap()
+            .call(with_timeout(request(), "0m")),
+    );
+    assert_eq!(code_of(&(&mut a).await.unwrap()), Code::DeadlineExceeded);
+
+    // `a` is done but not dropped; B goes out at once.
+    let b = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let arrived = tokio::time::timeout(Duration::from_secs(1), handle.next_request()).await;
+    let (_, send) = arrived
+        .expect("B reached the service while A's finished future was alive")
+        .expect("the request");
+    assert_eq!(Instant::now() - start, Duration::ZERO);
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&b.await.unwrap().unwrap()), Code::Ok);
+    drop(a);
+}
