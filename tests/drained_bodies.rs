@@ -325,17 +325,7 @@ async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_n
     let held = layer.replay_memory_in_use();
 
     // Another call, failing once: not retried for want of layer memory.
-    let other = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
-    let (r, send, _) = next(&mut handle).await;
-    let _ = r.into_body().collect().await;
-    send.send_response(status(Code::Unavailable));
-    settle().await;
-    let retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
-        .await
-        .is_ok();
-    if !retried {
-        let _ = other.await;
-    }
+    let retried = another_call_failing_once_is_retried(&mut svc, &mut handle).await;
     assert_eq!(
         (held, retried),
         (0, true),
