@@ -46,7 +46,8 @@ struct Stripe(AtomicU64);
 
 /// What to count.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Event {
+// NOTE: `pub` in a private module: the recorders' sealed trait takes it.
+pub enum Event {
     Retry,
     RefusedByBudget,
     RefusedByDeadline,

@@ -6,7 +6,7 @@ use crate::methods::MethodPolicies;
 use crate::metrics::Event;
 use crate::metrics::RetryMetrics;
 use crate::replay::{Account, ReplayMemory};
-use crate::trace::{Gauged, NoMetrics, Record, Refused, Trace};
+use crate::trace::{Gauged, NoMetrics, Record, Trace};
 
 /// The policies, the budget and the counters of one layer: every service the
 /// layer makes, and every call through them, holds the same `Arc`.
@@ -82,15 +82,11 @@ impl<Bu, M: Record + Clone> Local<Bu, M> {
         self.recorder.call(path)
     }
 
-    /// Counts `event`; a refused retry is recorded in the standard metrics
-    /// too, if this service's layer records them.
+    /// Counts `event`, in the layer's counters and in the standard metrics
+    /// of this service's layer, if it records them.
     pub(crate) fn record(&self, event: Event) {
         self.shared.metrics.record(event);
-        match event {
-            Event::RefusedByBudget => self.recorder.refused(Refused::Budget),
-            Event::RefusedByDeadline => self.recorder.refused(Refused::Deadline),
-            _ => {}
-        }
+        self.recorder.record(event);
     }
 
     /// Counts an attempt sent by one of this service's calls.

@@ -32,6 +32,8 @@ pub(crate) mod sealed {
 
     use tonic::Code;
 
+    use crate::metrics::Event;
+
     /// How a [`Metrics`](super::Metrics) records.
     pub trait Record {
         /// A call's trace.
@@ -47,8 +49,9 @@ pub(crate) mod sealed {
         /// is what every recorder of the budget last set the gauge to.
         fn balance(&self, gauged: &Gauged, tokens: impl FnOnce() -> Option<f64>);
 
-        /// A retry (or hedge) was decided and not sent, for `reason`.
-        fn refused(&self, reason: Refused);
+        /// The layer counted `event` (the standard metrics record the
+        /// refused retries).
+        fn record(&self, event: Event);
     }
 
     /// What the budget's gauge was last set to, by any recorder of the
@@ -59,15 +62,6 @@ pub(crate) mod sealed {
         #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
         pub(crate)  std::sync::atomic::AtomicU64,
     );
-
-    /// Why a retry was decided and not sent.
-    #[derive(Clone, Copy, Debug)]
-    pub enum Refused {
-        /// No token in the budget (or the throttle's).
-        Budget,
-        /// No time left.
-        Deadline,
-    }
 
     pub trait CallRecord: Clone + Send + Sync + 'static {
         /// Whether it records anything: a trace that does not is of no size,
@@ -91,9 +85,6 @@ pub(crate) mod sealed {
     }
 
     pub trait AttemptRecord: Default + fmt::Debug + Send + Sync + 'static {
-        /// As [`CallRecord::ON`].
-        const ON: bool;
-
         /// Not started (an attempt not sent yet, or a body with no attempt
         /// to end).
         const NONE: Self;
@@ -126,7 +117,7 @@ pub(crate) mod sealed {
         fn balance(&self, _gauged: &Gauged, _tokens: impl FnOnce() -> Option<f64>) {}
 
         #[inline(always)]
-        fn refused(&self, _reason: Refused) {}
+        fn record(&self, _event: Event) {}
     }
 
     impl CallRecord for super::NoMetrics {
@@ -149,7 +140,6 @@ pub(crate) mod sealed {
     }
 
     impl AttemptRecord for super::NoMetrics {
-        const ON: bool = false;
         const NONE: Self = super::NoMetrics;
 
         #[inline(always)]
@@ -170,7 +160,7 @@ pub(crate) mod sealed {
     }
 }
 
-pub(crate) use sealed::{AttemptRecord, CallRecord, Gauged, Record, Refused};
+pub(crate) use sealed::{AttemptRecord, CallRecord, Gauged, Record};
 
 /// A call's trace, as its layer records it.
 pub(crate) type Trace<M> = <M as Record>::Call;
