@@ -130,6 +130,8 @@ where
     S: Service<Request<B>>,
     M: Metrics,
 {
+    /// What the attempts after the first are sent through, clones of it;
+    /// a hedge driver's first goes through it.
     inner: S,
     /// The inner service's error as a `BoxError`, proven where the layer's
     /// service was made.
@@ -145,7 +147,7 @@ where
     cancel: Option<CancellationToken>,
     /// The next call is the call's first attempt.
     first: bool,
-    /// `inner` was readied by the caller, through `RetryService::poll_ready`,
+    /// The caller's instance was readied, through `RetryService::poll_ready`,
     /// for the first attempt.
     ready: bool,
     shared: Arc<Local<Bu, M>>,
@@ -166,8 +168,9 @@ where
     S: Service<Request<B>>,
     M: Metrics,
 {
-    /// The attempts of one call under the policy at `index`, the first
-    /// through `first`, which the caller's `poll_ready` made ready if `ready`.
+    /// The attempts of one call under the policy at `index`: the first
+    /// through the caller's instance, which its `poll_ready` made ready if
+    /// `ready`, the others through clones of `spare`.
     /// A hedging policy's one call (the call's first attempt) starts the hedge
     /// driver, which makes the call's attempts through a plain copy of this.
     // NOTE: inlined whatever features are compiled: with `opentelemetry`
@@ -175,7 +178,7 @@ where
     // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
     #[inline(always)]
     pub(crate) fn new(
-        first: S,
+        spare: S,
         ready: bool,
         (into_box, drain): Proven<S, B>,
         shared: Arc<Local<Bu, M>>,
@@ -186,7 +189,7 @@ where
         let policy = shared.policies.get(index);
         let drainable = limits.attempt_timeout.is_some();
         Self {
-            inner: first,
+            inner: spare,
             into_box,
             drain,
             drainable,
@@ -269,9 +272,39 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, mut req: Request<ReplayBody<B>>) -> Self::Future {
+    fn call(&mut self, req: Request<ReplayBody<B>>) -> Self::Future {
+        self.attempt(None, req)
+    }
+}
+
+impl<S, B, RB, Bu, M> Attempt<S, B, Bu, M>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    B: From<ReplayBody<B>> + Send + 'static,
+    Bu: Budget,
+    M: Metrics,
+{
+    /// Sends the call's first attempt through `readied`, the instance the
+    /// caller polled ready (or on its way to it), which stays the caller's.
+    #[inline(always)]
+    pub(crate) fn call_first(
+        &mut self,
+        readied: &mut S,
+        req: Request<ReplayBody<B>>,
+    ) -> AttemptFuture<S, B, Bu, M> {
+        self.attempt(Some(readied), req)
+    }
+
+    /// An attempt; the call's first goes through `readied`, if given, else
+    /// through `inner`.
+    #[inline(always)]
+    fn attempt(
+        &mut self,
+        readied: Option<&mut S>,
+        mut req: Request<ReplayBody<B>>,
+    ) -> AttemptFuture<S, B, Bu, M> {
         if std::mem::take(&mut self.hedge) {
-            return self.start_hedging(req);
+            return self.start_hedging(readied, req);
         }
         // NOTE: the copy kept for the next retry is already made (by the
         // call's response future, or tower's `Retry`), so the report slot goes
@@ -283,83 +316,103 @@ where
         let cut = self.limits.cut_from_now();
         let deadline = self.limits.deadline;
         let first = std::mem::take(&mut self.first);
+        let ready = std::mem::take(&mut self.ready);
         let mut drain = self.drainable.then(|| DrainWith {
             drainer: self.drain,
             metrics: self.shared.metrics.clone(),
             cancel: self.cancel.clone(),
             body: None,
         });
-        if first && std::mem::take(&mut self.ready) {
-            // The first attempt, on the instance the caller readied: sent now.
-            if let Some((at, why)) = cut {
-                let now = Instant::now();
-                if at <= now {
-                    // Not sent: what the caller's `poll_ready` reserved on
-                    // the instance (a permit, a slot in a buffer or a
-                    // channel) is given back now, not when the call ends.
-                    self.release_readied();
-                    let failure = Failure::Cut { why, sent: false };
-                    return AttemptFuture::failed(failure, self.into_box);
-                }
-                set_timeout(&mut req, deadline, now);
+        if !first {
+            // A retry, through an instance of its own: it waits for readiness
+            // under the timer, then pays, and is sent.
+            let service = self.inner.clone();
+            return self.readying(service, req, drain, true, cut);
+        }
+        // The call's first attempt goes through the caller's instance (a
+        // hedge driver holds it as its own).
+        let readied = match readied {
+            Some(readied) => readied,
+            None => &mut self.inner,
+        };
+        if !ready {
+            // The instance the caller polled, which may be part way to
+            // ready, waits for readiness under the attempt's timer; the
+            // caller keeps a fresh clone.
+            let fresh = readied.clone();
+            let service = std::mem::replace(readied, fresh);
+            return self.readying(service, req, drain, false, cut);
+        }
+        // The first attempt, on the instance the caller readied: sent now.
+        if let Some((at, why)) = cut {
+            let now = Instant::now();
+            if at <= now {
+                // Not sent: what the caller's `poll_ready` reserved on the
+                // instance (a permit, a slot in a buffer or a channel) is
+                // given back now, not held until the caller's next call.
+                release_readied(readied);
+                let failure = Failure::Cut { why, sent: false };
+                return AttemptFuture::failed(failure, self.into_box);
             }
-            let traced = self.trace.attempt();
-            if let Some(drain) = drain.as_mut() {
-                drain.body = req.body_mut().drainable();
-            }
-            let future = self.inner.call(req.map(B::from));
-            let into_box = self.into_box;
-            // NOTE: each return builds the future where it goes: one chosen
-            // first, or changed after, would be copied whole once more.
-            if let Some(drain) = drain {
-                let state = sent(future, drain);
-                return AttemptFuture::new(state, into_box, cut, deadline, traced);
-            }
-            let state = State::Called { future };
+            set_timeout(&mut req, deadline, now);
+        }
+        let traced = self.trace.attempt();
+        if let Some(drain) = drain.as_mut() {
+            drain.body = req.body_mut().drainable();
+        }
+        let future = readied.call(req.map(B::from));
+        let into_box = self.into_box;
+        // NOTE: each return builds the future where it goes: one chosen
+        // first, or changed after, would be copied whole once more.
+        if let Some(drain) = drain {
+            let state = sent(future, drain);
             return AttemptFuture::new(state, into_box, cut, deadline, traced);
         }
-        // Wait for readiness under the timer; then a retry pays, and is sent.
-        let service = if first {
-            // The instance the caller polled, which may be part way to ready.
-            let fresh = self.inner.clone();
-            std::mem::replace(&mut self.inner, fresh)
-        } else {
-            self.inner.clone()
-        };
+        let state = State::Called { future };
+        AttemptFuture::new(state, into_box, cut, deadline, traced)
+    }
+
+    /// An attempt through `service`, which it polls ready before it is sent;
+    /// paid for as a retry if `retry`.
+    fn readying(
+        &self,
+        service: S,
+        req: Request<ReplayBody<B>>,
+        drain: Option<DrainWith<S::Future>>,
+        retry: bool,
+        cut: Option<(Instant, Cut)>,
+    ) -> AttemptFuture<S, B, Bu, M> {
         let state = State::Readying {
             waiting: Box::new(Waiting {
                 service,
                 request: Some(req),
                 drain,
-                retry: (!first).then(|| Arc::clone(&self.shared)),
+                retry: retry.then(|| Arc::clone(&self.shared)),
                 min_attempt_budget: self.shared.policies.get(self.policy).min_attempt_budget,
                 trace: self.trace.clone(),
             }),
         };
+        let deadline = self.limits.deadline;
         AttemptFuture::new(state, self.into_box, cut, deadline, AttemptTrace::<M>::NONE)
-    }
-}
-
-impl<S, B, Bu, M> Attempt<S, B, Bu, M>
-where
-    S: Service<Request<B>> + Clone,
-    M: Metrics,
-{
-    /// Drops the instance the caller readied, unused, for a fresh clone:
-    /// dropping it gives back what its readiness reserved.
-    #[cold]
-    fn release_readied(&mut self) {
-        let fresh = self.inner.clone();
-        drop(std::mem::replace(&mut self.inner, fresh));
     }
 
     /// The hedge driver for the call of `req`, making its attempts through a
-    /// plain copy of this, on the instance the caller readied first.
-    fn start_hedging(&mut self, req: Request<ReplayBody<B>>) -> AttemptFuture<S, B, Bu, M> {
+    /// plain copy of this, the first through the instance the caller readied.
+    fn start_hedging(
+        &mut self,
+        readied: Option<&mut S>,
+        req: Request<ReplayBody<B>>,
+    ) -> AttemptFuture<S, B, Bu, M> {
         let index = self.policy;
+        // The driver holds the caller's instance for its first attempt; the
+        // caller keeps a fresh clone.
         let fresh = self.inner.clone();
+        let inner = match readied {
+            Some(readied) => std::mem::replace(readied, fresh),
+            None => std::mem::replace(&mut self.inner, fresh),
+        };
         let driver = Attempt {
-            inner: std::mem::replace(&mut self.inner, fresh),
+            inner,
             into_box: self.into_box,
             drain: self.drain,
             // Every attempt but the winner is abandoned.
@@ -393,6 +446,14 @@ where
             AttemptTrace::<M>::NONE,
         )
     }
+}
+
+/// Drops the instance the caller readied, unused, for a fresh clone:
+/// dropping it gives back what its readiness reserved.
+#[cold]
+fn release_readied<S: Clone>(readied: &mut S) {
+    let fresh = readied.clone();
+    drop(std::mem::replace(readied, fresh));
 }
 
 /// What an attempt is doing.

@@ -118,13 +118,14 @@ where
     pub(crate) fn new(
         mut call: CallPolicy<Bu, M>,
         mut attempt: Attempt<S, B, Bu, M>,
+        readied: &mut S,
         req: Request<ReplayBody<B>>,
         end: CallEnd<M>,
         cancel: Option<DropGuard>,
     ) -> Self {
         let copy =
             Policy::<_, Response<ResponseBody<RB, M>>, Failure>::clone_request(&mut call, &req);
-        let future = attempt.call(req);
+        let future = attempt.call_first(readied, req);
         let retry = copy.map(|copy| Retry {
             copy,
             call,

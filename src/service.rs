@@ -35,8 +35,9 @@ use crate::trace::{CallEnd, Metrics, NoMetrics};
 ///
 /// # Bounds
 ///
-/// The inner service must be `Clone` (each attempt is sent through a clone, as
-/// with `tower::retry::Retry`). The request body `B` must yield `Bytes`, be
+/// The inner service must be `Clone`: a call's first attempt goes through the
+/// instance the caller readied, and each retry or hedge through a clone of it,
+/// as with `tower::retry::Retry`. The request body `B` must yield `Bytes`, be
 /// `Unpin`, and be buildable from a [`ReplayBody<B>`](crate::ReplayBody) — the
 /// wrapper that keeps a copy for replay. That holds for `tonic::body::Body` (what
 /// tonic's `Channel` and generated clients use) and for http-body-util's
@@ -296,18 +297,19 @@ where
         };
         let req = Request::from_parts(parts, body);
 
-        // NOTE: the instance `poll_ready` polled (ready, or on its way to it)
-        // makes the first attempt, so it goes to the call and a fresh clone
-        // stays here.
-        let clone = self.inner.clone();
-        let first = std::mem::replace(&mut self.inner, clone);
+        // NOTE: the first attempt goes through the instance `poll_ready`
+        // polled (ready, or on its way to it), which stays here, as a call
+        // without the layer leaves it; the call's later attempts go through
+        // clones of a fresh clone, never polled unless the call retries. (A
+        // `Channel`'s clone would allocate again at its first readiness.)
+        let spare = self.inner.clone();
         let ready = std::mem::take(&mut self.ready);
         let limits = Limits {
             deadline,
             attempt_timeout: policy.attempt_timeout,
         };
         let attempt = Attempt::new(
-            first,
+            spare,
             ready,
             (self.into_box, self.drain),
             Arc::clone(&self.shared),
@@ -321,7 +323,14 @@ where
         let hedged = policy.hedge.is_some();
         let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried, hedged);
         let cancel = attempt.cancel_on_drop();
-        ResponseFuture::new(call, attempt, req, CallEnd::new(trace), cancel)
+        ResponseFuture::new(
+            call,
+            attempt,
+            &mut self.inner,
+            req,
+            CallEnd::new(trace),
+            cancel,
+        )
     }
 }
 
