@@ -4,8 +4,11 @@
 //! client's work alike: hyper, h2 and HPACK on both ends, the loopback
 //! socket's calls into the kernel not counted). `--bench loopback`'s
 //! wall-clock share of the bare client's throughput moves by several points
-//! between runs on a shared machine; these counts repeat to within a few
-//! hundred instructions of a call of about 126,000.
+//! between runs on a shared machine; these counts move by up to about 1 % of
+//! a call of about 126,000 between runs of one binary (malloc's own work
+//! moves with the allocator's state), so a smaller change is read from the
+//! inclusive counts of the functions it touches (`--callgrind-out-file` and
+//! `callgrind_annotate --inclusive=yes`), as BENCHMARKS.md does.
 //!
 //! `STACK` is one of:
 //! - `bare`: tonic's generated client on its `Channel`;

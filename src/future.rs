@@ -107,8 +107,9 @@ where
     Bu: Budget,
     M: Metrics,
 {
-    /// The call of `req`: its first attempt sent now through `attempt`, and
-    /// its retries, if `call` asks for them, through tower's `Retry`.
+    /// The call of `req`: its first attempt sent now through `attempt` on
+    /// `readied`, the instance the caller polled, and its retries, if `call`
+    /// asks for them, through tower's `Retry`.
     // NOTE: what tower's `Retry::call` does for the first attempt (keep a
     // copy, send the request), without building a `Retry` to clone into the
     // future and drop: a call that succeeds at once never needs one. The
