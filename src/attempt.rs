@@ -130,9 +130,11 @@ where
     S: Service<Request<B>>,
     M: Metrics,
 {
-    /// What the attempts after the first are sent through, clones of it;
-    /// a hedge driver's first goes through it.
-    inner: S,
+    /// What the attempts after the first are sent through, clones of it: a
+    /// clone of the caller's instance taken once the first was sent through
+    /// it (as tower's `Retry` clones its service after the first `call`). A
+    /// hedge driver's is the caller's instance itself, for its first attempt.
+    inner: Option<S>,
     /// The inner service's error as a `BoxError`, proven where the layer's
     /// service was made.
     into_box: fn(S::Error) -> BoxError,
@@ -170,7 +172,7 @@ where
 {
     /// The attempts of one call under the policy at `index`: the first
     /// through the caller's instance, which its `poll_ready` made ready if
-    /// `ready`, the others through clones of `spare`.
+    /// `ready`, the others through clones of it.
     /// A hedging policy's one call (the call's first attempt) starts the hedge
     /// driver, which makes the call's attempts through a plain copy of this.
     // NOTE: inlined whatever features are compiled: with `opentelemetry`
@@ -178,7 +180,6 @@ where
     // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
     #[inline(always)]
     pub(crate) fn new(
-        spare: S,
         ready: bool,
         (into_box, drain): Proven<S, B>,
         shared: Arc<Local<Bu, M>>,
@@ -189,7 +190,7 @@ where
         let policy = shared.policies.get(index);
         let drainable = limits.attempt_timeout.is_some();
         Self {
-            inner: spare,
+            inner: None,
             into_box,
             drain,
             drainable,
@@ -295,8 +296,8 @@ where
         self.attempt(Some(readied), req)
     }
 
-    /// An attempt; the call's first goes through `readied`, if given, else
-    /// through `inner`.
+    /// An attempt; the call's first goes through `readied`, the caller's
+    /// instance, if given, else through `inner` (a hedge driver's).
     #[inline(always)]
     fn attempt(
         &mut self,
@@ -326,14 +327,15 @@ where
         if !first {
             // A retry, through an instance of its own: it waits for readiness
             // under the timer, then pays, and is sent.
-            let service = self.inner.clone();
+            let service = self.instance();
             return self.readying(service, req, drain, true, cut);
         }
-        // The call's first attempt goes through the caller's instance (a
-        // hedge driver holds it as its own).
-        let readied = match readied {
-            Some(readied) => readied,
-            None => &mut self.inner,
+        // The call's first attempt goes through the caller's instance, which
+        // a hedge driver holds as its own; the call's own attempt keeps a
+        // clone of it for the retries.
+        let (readied, keep) = match readied {
+            Some(readied) => (readied, true),
+            None => (self.inner.as_mut().expect(HOLDS), false),
         };
         if !ready {
             // The instance the caller polled, which may be part way to
@@ -341,6 +343,9 @@ where
             // caller keeps a fresh clone.
             let fresh = readied.clone();
             let service = std::mem::replace(readied, fresh);
+            if keep {
+                self.inner = Some(readied.clone());
+            }
             return self.readying(service, req, drain, false, cut);
         }
         // The first attempt, on the instance the caller readied: sent now.
@@ -351,6 +356,9 @@ where
                 // instance (a permit, a slot in a buffer or a channel) is
                 // given back now, not held until the caller's next call.
                 release_readied(readied);
+                if keep {
+                    self.inner = Some(readied.clone());
+                }
                 let failure = Failure::Cut { why, sent: false };
                 return AttemptFuture::failed(failure, self.into_box);
             }
@@ -361,6 +369,9 @@ where
             drain.body = req.body_mut().drainable();
         }
         let future = readied.call(req.map(B::from));
+        if keep {
+            self.inner = Some(readied.clone());
+        }
         let into_box = self.into_box;
         // NOTE: each return builds the future where it goes: one chosen
         // first, or changed after, would be copied whole once more.
@@ -370,6 +381,11 @@ where
         }
         let state = State::Called { future };
         AttemptFuture::new(state, into_box, cut, deadline, traced)
+    }
+
+    /// A fresh instance, for an attempt after the first.
+    fn instance(&self) -> S {
+        self.inner.as_ref().expect(HOLDS).clone()
     }
 
     /// An attempt through `service`, which it polls ready before it is sent;
@@ -405,11 +421,14 @@ where
     ) -> AttemptFuture<S, B, Bu, M> {
         let index = self.policy;
         // The driver holds the caller's instance for its first attempt; the
-        // caller keeps a fresh clone.
-        let fresh = self.inner.clone();
+        // caller keeps a fresh clone. (The call's own attempt is never
+        // retried: the driver makes every attempt.)
         let inner = match readied {
-            Some(readied) => std::mem::replace(readied, fresh),
-            None => std::mem::replace(&mut self.inner, fresh),
+            Some(readied) => {
+                let fresh = readied.clone();
+                Some(std::mem::replace(readied, fresh))
+            }
+            None => self.inner.take(),
         };
         let driver = Attempt {
             inner,
@@ -447,6 +466,11 @@ where
         )
     }
 }
+
+/// Why an attempt after a call's first always has an instance to clone: the
+/// first is sent only through `call_first`, which keeps a clone of the
+/// caller's instance for them, or by a hedge driver, which holds it.
+const HOLDS: &str = "an attempt after the first holds an instance of the service";
 
 /// Drops the instance the caller readied, unused, for a fresh clone:
 /// dropping it gives back what its readiness reserved.

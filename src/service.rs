@@ -299,17 +299,15 @@ where
 
         // NOTE: the first attempt goes through the instance `poll_ready`
         // polled (ready, or on its way to it), which stays here, as a call
-        // without the layer leaves it; the call's later attempts go through
-        // clones of a fresh clone, never polled unless the call retries. (A
-        // `Channel`'s clone would allocate again at its first readiness.)
-        let spare = self.inner.clone();
+        // without the layer leaves it; the call keeps a clone of it, never
+        // polled unless the call retries. (A `Channel`'s fresh clone, kept
+        // here, would allocate again at its first readiness.)
         let ready = std::mem::take(&mut self.ready);
         let limits = Limits {
             deadline,
             attempt_timeout: policy.attempt_timeout,
         };
         let attempt = Attempt::new(
-            spare,
             ready,
             (self.into_box, self.drain),
             Arc::clone(&self.shared),

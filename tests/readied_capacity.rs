@@ -1,7 +1,10 @@
 //! What the caller's `poll_ready` reserved below the layer (a permit, a slot
 //! in a buffer or a channel) is given back as soon as the call's first
 //! attempt ends unsent, not when the call's future is dropped: another call
-//! through the same stack is not held back by it.
+//! through the same stack is not held back by it. And the instance the caller
+//! readied sends the first attempt and stays the caller's; retries and hedges
+//! go through clones of it, taken after it sent the first, as tower's `Retry`
+//! takes them.
 
 mod support;
 
@@ -11,8 +14,9 @@ use http::{Request, Response};
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{MethodPolicies, RetryLayer, RetryPolicy};
+use tonic_retry::{HedgePolicy, MethodPolicies, RetryLayer, RetryPolicy};
 use tower::limit::ConcurrencyLimit;
+use tower::steer::Steer;
 use tower::{Layer, Service, ServiceExt};
 
 use support::*;
@@ -97,4 +101,94 @@ async fn a_call_ended_unsent_holds_no_capacity_below() {
     send.send_response(status(Code::Ok));
     assert_eq!(code_of(&b.await.unwrap().unwrap()), Code::Ok);
     drop(a);
+}
+
+type Mock = tower_test::mock::Mock<Request<Body>, Response<Body>>;
+type Steered = Steer<Mock, fn(&Request<Body>, &[Mock]) -> usize, Request<Body>>;
+
+/// `tower::steer::Steer` over two mocks, every request to the first. A clone
+/// of a `Steer` copies which of its services are ready, so a clone taken
+/// before a call would call a service no one polled (a mock panics): the
+/// retry must go through a clone taken after the first attempt was sent,
+/// and the caller's instance must be the one that sent it. (The second
+/// mock's handle is returned too: a mock whose handle is gone fails its
+/// readiness, and `Steer` polls both.)
+fn steer() -> (Steered, Handle, Handle) {
+    let (first, handle) = tower_test::mock::pair();
+    let (second, idle) = tower_test::mock::pair();
+    let pick: fn(&Request<Body>, &[Mock]) -> usize = |_, _| 0;
+    (Steer::new(vec![first, second], pick), handle, idle)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_through_steer_is_polled_before_it_is_sent() {
+    let (steer, mut handle, _idle) = steer();
+    let mut svc = RetryLayer::new(RetryPolicy::default(), budget()).layer(steer);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Ok));
+    assert_eq!(
+        code_of(&call.await.expect("the call task").unwrap()),
+        Code::Ok
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_next_call_through_steer_is_polled_before_it_is_sent() {
+    let (steer, mut handle, _idle) = steer();
+    let mut svc = RetryLayer::new(RetryPolicy::default(), budget()).layer(steer);
+    for _ in 0..2 {
+        let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+        let (_, send, _) = next(&mut handle).await;
+        send.send_response(status(Code::Ok));
+        assert_eq!(
+            code_of(&call.await.expect("the call task").unwrap()),
+            Code::Ok
+        );
+    }
+}
+
+/// Whether `limited`'s one permit is free now.
+async fn permit_free(limited: &ConcurrencyLimit<Mock>) -> bool {
+    let mut probe = limited.clone();
+    tokio::time::timeout(Duration::ZERO, probe.ready())
+        .await
+        .is_ok()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_whose_first_instance_is_not_ready_waits_for_it() {
+    let (mock, mut handle) = tower_test::mock::pair();
+    let limited = ConcurrencyLimit::new(mock, 1);
+    // Another holder has the one permit: the call's instance is not ready.
+    let mut holder = limited.clone();
+    holder.ready().await.unwrap();
+    let hedge = HedgePolicy::new(2, Duration::from_millis(10))
+        .unwrap()
+        .with_max_extra_load(None)
+        .unwrap();
+    let mut svc = RetryLayer::new(hedge, budget()).layer(limited.clone());
+    let call = tokio::spawn(
+        svc.ready()
+            .await
+            .unwrap()
+            .call(with_timeout(request(), "1S")),
+    );
+    settle().await;
+    drop(holder);
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    settle().await;
+    assert!(
+        permit_free(&limited).await,
+        "the hedged call keeps no permit"
+    );
+    // The service the caller kept still calls.
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
 }
