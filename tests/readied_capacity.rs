@@ -127,7 +127,13 @@ async fn a_retry_through_steer_is_polled_before_it_is_sent() {
     let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
     let (_, send, _) = next(&mut handle).await;
     send.send_response(status(Code::Unavailable));
-    let (_, send, _) = next(&mut handle).await;
+    // Bounded: a retry sent through an instance nobody polled panics in the
+    // call's task, and would leave this test waiting for it forever.
+    let Ok((_, send, _)) = tokio::time::timeout(Duration::from_secs(60), next(&mut handle)).await
+    else {
+        let ended = call.await.err().map(|e| e.to_string());
+        panic!("the retry never reached the service (the call's task: {ended:?})");
+    };
     send.send_response(status(Code::Ok));
     assert_eq!(
         code_of(&call.await.expect("the call task").unwrap()),
