@@ -198,3 +198,178 @@ async fn a_hedged_call_whose_first_instance_is_not_ready_waits_for_it() {
     send.send_response(status(Code::Ok));
     assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
 }
+
+// ---------------------------------------------------------------------
+// Calls through tower's `Steer`, whose `Clone` copies which of its services
+// it has seen ready: a clone of a ready `Steer` says it is ready at once,
+// though none of its services' clones was polled.
+//
+// The layer clones the caller's instance in three cold paths: a hedged call
+// (its driver takes the readied instance, the caller keeps a clone), a first
+// attempt cut before it was sent (the readied instance is swapped for a clone,
+// so what its readiness reserved is given back), and a caller's instance that
+// was not ready yet (it waits under the attempt's timer, the caller keeps a
+// clone). Through a `Steer`, each leaves the caller, or the call's retry, an
+// instance that calls a service nobody polled; tower-test's mock panics. The
+// tests marked `#[ignore]` prove it (`cargo test --test readied_capacity --
+// --ignored`); they fail at d768d45, and on the code before the first
+// attempt went through the caller's instance (16df438). The controls show the
+// same sequences work with no layer.
+//
+// A retry the `Steer` routes to another of its services fails the same way
+// under tower's own `Retry`, which clones its service after the first call.
+// Cloning from an instance of the service never polled, kept for the
+// purpose, would mend all of them; it costs every clone of the service one
+// clone of the inner service more, and is left to be measured and reviewed.
+
+fn hedge(attempts: u32, delay_ms: u64) -> HedgePolicy {
+    HedgePolicy::new(attempts, Duration::from_millis(delay_ms))
+        .unwrap()
+        .with_max_extra_load(None)
+        .unwrap()
+}
+
+/// Runs `n` plain calls through `svc`, each answered OK on `handle`; panics
+/// (with the call task's panic message) if one never reaches the service.
+async fn calls_work<S>(svc: &mut S, handle: &mut Handle, n: usize)
+where
+    S: Service<Request<Body>> + Send,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+    S::Error: std::fmt::Debug + Send + 'static,
+{
+    for i in 0..n {
+        let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+        let Ok((_, send, _)) = tokio::time::timeout(Duration::from_secs(60), next(handle)).await
+        else {
+            let ended = call.await.err().map(|e| e.to_string());
+            panic!("next call #{i} never reached the service (its task: {ended:?})");
+        };
+        send.send_response(status(Code::Ok));
+        call.await.expect("the call task").unwrap();
+    }
+}
+
+/// A hedged call through Steer, then plain calls through the same service.
+#[tokio::test(start_paused = true)]
+#[ignore = "known defect: the caller is left a clone of a readied Steer, which says it is ready with none of its services polled; see the comment above them"]
+async fn steer_next_call_after_a_hedged_call() {
+    let (steer, mut handle, _idle) = steer();
+    let policies = MethodPolicies::with_default(RetryPolicy::default())
+        .with_method("library.v1.Library", "Slow", hedge(2, 10))
+        .unwrap();
+    let mut svc = RetryLayer::new(policies, budget()).layer(steer);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(slow_request()));
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    calls_work(&mut svc, &mut handle, 2).await;
+}
+
+/// A call cut before it was sent (zero attempt timeout) through Steer,
+/// then plain calls through the same service.
+#[tokio::test(start_paused = true)]
+#[ignore = "known defect: the caller is left a clone of a readied Steer, which says it is ready with none of its services polled; see the comment above them"]
+async fn steer_next_call_after_a_call_cut_unsent() {
+    let (steer, mut handle, _idle) = steer();
+    let mut svc = zero_attempt_timeout_for_slow().layer(steer);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(slow_request()));
+    settle().await;
+    call.abort();
+    calls_work(&mut svc, &mut handle, 2).await;
+}
+
+/// A call whose deadline had passed (grpc-timeout 0) through Steer, then
+/// plain calls through the same service.
+#[tokio::test(start_paused = true)]
+#[ignore = "known defect: the caller is left a clone of a readied Steer, which says it is ready with none of its services polled; see the comment above them"]
+async fn steer_next_call_after_a_call_past_its_deadline() {
+    let (steer, mut handle, _idle) = steer();
+    let mut svc = RetryLayer::new(RetryPolicy::default(), budget()).layer(steer);
+    let r = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(with_timeout(request(), "0m"))
+        .await
+        .unwrap();
+    assert_eq!(code_of(&r), Code::DeadlineExceeded);
+    calls_work(&mut svc, &mut handle, 2).await;
+}
+
+/// Without the layer, Steer does the same sequence fine (control).
+#[tokio::test(start_paused = true)]
+async fn steer_without_layer_control() {
+    let (mut steer, mut handle, _idle) = steer();
+    calls_work(&mut steer, &mut handle, 3).await;
+}
+
+/// A Steer one of whose services is not ready when the caller polls: the
+/// call and its retry, and the next call.
+#[tokio::test(start_paused = true)]
+#[ignore = "known defect: a partly ready Steer is cloned for the caller and the retry, and the clones skip the service already polled; see the comment above them"]
+async fn steer_partly_ready_first_call_retry_and_next_call() {
+    let (steer, mut handle, mut idle) = steer();
+    idle.allow(0);
+    let mut svc = RetryLayer::new(RetryPolicy::default(), budget()).layer(steer);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    settle().await;
+    idle.allow(100);
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Unavailable));
+    let Ok((_, send, _)) = tokio::time::timeout(Duration::from_secs(60), next(&mut handle)).await
+    else {
+        let ended = call.await.err().map(|e| e.to_string());
+        panic!("the retry never reached the service (its task: {ended:?})");
+    };
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    calls_work(&mut svc, &mut handle, 2).await;
+}
+
+/// Control for the above, with tower's own Retry-free path: Steer without
+/// the layer, second service not ready at first.
+#[tokio::test(start_paused = true)]
+async fn steer_partly_ready_without_layer_control() {
+    let (mut steer, mut handle, mut idle) = steer();
+    idle.allow(0);
+    let fut = tokio::spawn(async move {
+        steer.ready().await.unwrap();
+        let f = steer.call(request());
+        (steer, f.await)
+    });
+    settle().await;
+    idle.allow(100);
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(status(Code::Ok));
+    let (mut steer, r) = fut.await.unwrap();
+    r.unwrap();
+    calls_work(&mut steer, &mut handle, 2).await;
+}
+
+/// A Steer whose picker sends a retry (it carries
+/// `grpc-previous-rpc-attempts`) to the second service, as §6 asks a
+/// balancer below the layer to do.
+fn steer_retries_elsewhere() -> (Steered, Handle, Handle) {
+    let (first, a) = tower_test::mock::pair();
+    let (second, b) = tower_test::mock::pair();
+    let pick: fn(&Request<Body>, &[Mock]) -> usize =
+        |r, _| usize::from(r.headers().contains_key("grpc-previous-rpc-attempts"));
+    (Steer::new(vec![first, second], pick), a, b)
+}
+
+#[tokio::test(start_paused = true)]
+#[ignore = "tower's own Retry fails the same: its clone of the Steer polls only the service called; see the comment above them"]
+async fn steer_retry_routed_to_the_other_service() {
+    let (steer, mut a, mut b) = steer_retries_elsewhere();
+    let mut svc = RetryLayer::new(RetryPolicy::default(), budget()).layer(steer);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, send, _) = next(&mut a).await;
+    send.send_response(status(Code::Unavailable));
+    let Ok((_, send, _)) = tokio::time::timeout(Duration::from_secs(60), next(&mut b)).await else {
+        let ended = call.await.err().map(|e| e.to_string());
+        panic!("the retry never reached the other service (the call's task: {ended:?})");
+    };
+    send.send_response(status(Code::Ok));
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
