@@ -15,7 +15,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::budget::Budget;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
+use http::{
+    Extensions, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri,
+    Version,
+};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tonic::Code;
@@ -146,6 +149,117 @@ impl<Bu, M> CallPolicy<Bu, M> {
                 retried: false,
             },
         }
+    }
+}
+
+/// The request a retry is made from, as the call policy reads and marks it:
+/// tower's copy (a [`Request`]), or the first attempt's [`FirstCopy`].
+pub(crate) trait RetryCopy<B> {
+    fn body(&self) -> &ReplayBody<B>;
+    fn body_mut(&mut self) -> &mut ReplayBody<B>;
+    /// The first value of the header `name`.
+    fn header(&self, name: &HeaderName) -> Option<&HeaderValue>;
+    /// Sets the header `name` to `value` alone.
+    fn set_header(&mut self, name: HeaderName, value: HeaderValue);
+    fn extensions_mut(&mut self) -> &mut Extensions;
+}
+
+impl<B> RetryCopy<B> for Request<ReplayBody<B>> {
+    fn body(&self) -> &ReplayBody<B> {
+        self.body()
+    }
+
+    fn body_mut(&mut self) -> &mut ReplayBody<B> {
+        self.body_mut()
+    }
+
+    fn header(&self, name: &HeaderName) -> Option<&HeaderValue> {
+        self.headers().get(name)
+    }
+
+    fn set_header(&mut self, name: HeaderName, value: HeaderValue) {
+        self.headers_mut().insert(name, value);
+    }
+
+    fn extensions_mut(&mut self) -> &mut Extensions {
+        self.extensions_mut()
+    }
+}
+
+/// The copy of a call's request that its first retry is made from, kept
+/// while the first attempt runs.
+///
+/// Its headers are a list, not a [`HeaderMap`]: a map's copy is two
+/// allocations and its index, made and dropped on every call, and most
+/// calls are never retried. The map is built again only for a retry
+/// ([`into_request`](Self::into_request)); tower's `Retry` copies that one
+/// whole for the retries after it.
+pub(crate) struct FirstCopy<B> {
+    method: Method,
+    uri: Uri,
+    version: Version,
+    /// Every value of every header, in the request's order.
+    headers: Vec<(HeaderName, HeaderValue)>,
+    extensions: Extensions,
+    body: ReplayBody<B>,
+}
+
+impl<B> FirstCopy<B> {
+    /// A copy of `req`, its body a clone that reads it again from its start.
+    #[inline(always)]
+    fn of(req: &Request<ReplayBody<B>>) -> Self {
+        let mut headers = Vec::with_capacity(req.headers().len());
+        for (name, value) in req.headers() {
+            headers.push((name.clone(), value.clone()));
+        }
+        Self {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            version: req.version(),
+            headers,
+            extensions: req.extensions().clone(),
+            body: req.body().clone(),
+        }
+    }
+
+    /// The request the first retry sends.
+    pub(crate) fn into_request(self) -> Request<ReplayBody<B>> {
+        let mut headers = HeaderMap::with_capacity(self.headers.len());
+        for (name, value) in self.headers {
+            headers.append(name, value);
+        }
+        let mut req = Request::new(self.body);
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.version_mut() = self.version;
+        *req.headers_mut() = headers;
+        *req.extensions_mut() = self.extensions;
+        req
+    }
+}
+
+impl<B> RetryCopy<B> for FirstCopy<B> {
+    fn body(&self) -> &ReplayBody<B> {
+        &self.body
+    }
+
+    fn body_mut(&mut self) -> &mut ReplayBody<B> {
+        &mut self.body
+    }
+
+    fn header(&self, name: &HeaderName) -> Option<&HeaderValue> {
+        self.headers
+            .iter()
+            .find_map(|(n, value)| (n == name).then_some(value))
+    }
+
+    fn set_header(&mut self, name: HeaderName, value: HeaderValue) {
+        self.headers.retain(|(n, _)| *n != name);
+        self.headers.push((name, value));
+    }
+
+    fn extensions_mut(&mut self) -> &mut Extensions {
+        &mut self.extensions
     }
 }
 
@@ -468,6 +582,44 @@ where
         req: &mut Request<ReplayBody<B>>,
         result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
     ) -> Option<Backoff> {
+        self.after(req, result)
+    }
+
+    fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
+        // Always a clone, even of a body that can no longer be replayed: `Retry`
+        // only shows `retry` the outcomes of requests it holds a clone of, and
+        // every outcome must pass `retry` for the budget and the final touches.
+        // (A hedged call's one attempt is never retried, and keeps no copy:
+        // see `first_copy`.)
+        (!self.hedged).then(|| req.clone())
+    }
+}
+
+impl<Bu, M> CallPolicy<Bu, M>
+where
+    M: Metrics,
+    Bu: Budget,
+{
+    /// The copy of `req` the call's first retry is made from, kept while its
+    /// first attempt runs; none for a hedged call, whose hedge driver makes
+    /// its attempts, so that its one outcome is handed over as it is.
+    #[inline(always)]
+    pub(crate) fn first_copy<B>(&self, req: &Request<ReplayBody<B>>) -> Option<FirstCopy<B>> {
+        (!self.hedged).then(|| FirstCopy::of(req))
+    }
+
+    /// The decision after an attempt of the request `req` is a copy of,
+    /// with `result`: `Some` wait before the next attempt, or `None` and the
+    /// outcome made what the caller gets. What tower's `Retry` asks of
+    /// [`Policy::retry`], for the first attempt's copy too.
+    pub(crate) fn after<B, RB, R>(
+        &mut self,
+        req: &mut R,
+        result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
+    ) -> Option<Backoff>
+    where
+        R: RetryCopy<B>,
+    {
         let shared: &Shared<Bu> = &self.shared;
         let Shared {
             policies,
@@ -479,9 +631,8 @@ where
         let state = &mut self.state;
         // Read only where an event is recorded: a lookup of a custom header
         // name hashes it byte by byte.
-        let key = |req: &Request<ReplayBody<B>>| {
-            req.headers()
-                .get(IDEMPOTENCY_KEY)
+        let key = |req: &R| {
+            req.header(&IDEMPOTENCY_KEY)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
                 .unwrap_or_default()
@@ -646,12 +797,11 @@ where
                     // An attempt was sent: the next one is a retry.
                     state.retried = true;
                     req.body_mut().set_retry();
-                    req.headers_mut()
-                        .insert(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));
+                    req.set_header(PREVIOUS_ATTEMPTS, previous_attempts(state.sent));
                 }
                 if !state.tried.is_empty() {
                     if let Some(value) = state.tried.to_header() {
-                        req.headers_mut().insert(ALREADY_TRIED, value);
+                        req.set_header(ALREADY_TRIED, value);
                     }
                     req.extensions_mut().insert(state.tried.clone());
                 }
@@ -666,20 +816,6 @@ where
         }
         end_call(req, result, marked, metrics)
     }
-
-    fn clone_request(&mut self, req: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
-        if self.hedged {
-            // The hedge driver makes the call's attempts; with no clone kept,
-            // `Retry` hands its outcome over without asking `retry`.
-            return None;
-        }
-        // Always a clone, even of a body that can no longer be replayed: `Retry`
-        // only shows `retry` the outcomes of requests it holds a clone of, and
-        // every outcome must pass `retry` for the budget and the final touches.
-        // NOTE: cloned whole, not built empty and overwritten part by part:
-        // that made, then dropped, an empty URI and header map on every call.
-        Some(req.clone())
-    }
 }
 
 /// The call ends with `result`: marked "do not retry" for the layers above
@@ -689,7 +825,7 @@ where
 // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
 #[inline(always)]
 fn end_call<B, RB, M: Metrics>(
-    req: &Request<ReplayBody<B>>,
+    req: &impl RetryCopy<B>,
     result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
     marked: bool,
     metrics: &RetryMetrics,
@@ -797,5 +933,43 @@ impl Future for Backoff {
             Some(sleep) => sleep.poll(cx),
             None => Poll::Ready(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Empty = http_body_util::Empty<bytes::Bytes>;
+
+    fn request() -> Request<ReplayBody<Empty>> {
+        let mut req = Request::new(ReplayBody::new(Empty::new(), 1024));
+        let headers = req.headers_mut();
+        headers.append("x-tag", HeaderValue::from_static("first"));
+        headers.append("x-tag", HeaderValue::from_static("second"));
+        headers.append("x-other", HeaderValue::from_static("other"));
+        req
+    }
+
+    #[test]
+    fn the_first_copy_reads_and_marks_as_a_request_does() {
+        let req = request();
+        let mut copy = FirstCopy::of(&req);
+        let mut same = req.clone();
+        let tag = HeaderName::from_static("x-tag");
+        assert_eq!(
+            RetryCopy::header(&copy, &tag),
+            RetryCopy::header(&same, &tag)
+        );
+        assert_eq!(RetryCopy::header(&copy, &PREVIOUS_ATTEMPTS), None);
+        // Setting a header replaces every value it had, as `insert` does.
+        for r in [&mut copy as &mut dyn RetryCopy<_>, &mut same] {
+            r.set_header(tag.clone(), HeaderValue::from_static("only"));
+            r.set_header(PREVIOUS_ATTEMPTS, HeaderValue::from_static("1"));
+        }
+        let rebuilt = copy.into_request();
+        assert_eq!(rebuilt.headers(), same.headers());
+        let tags: Vec<_> = rebuilt.headers().get_all("x-tag").iter().collect();
+        assert_eq!(tags, ["only"]);
     }
 }

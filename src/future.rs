@@ -9,13 +9,12 @@ use crate::budget::Budget;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio_util::sync::DropGuard;
-use tower::retry::Policy;
 use tower_service::Service;
 
-use crate::attempt::{Attempt, AttemptFuture, Failure};
+use crate::attempt::{Attempt, AttemptFuture};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
-use crate::call::{Backoff, CallPolicy, failure_response};
+use crate::call::{Backoff, CallPolicy, FirstCopy, failure_response};
 use crate::replay::ReplayBody;
 use crate::trace::{CallEnd, Metrics, NoMetrics};
 
@@ -32,7 +31,7 @@ where
     S: Service<Request<B>>,
     M: Metrics,
 {
-    copy: Request<ReplayBody<B>>,
+    copy: FirstCopy<B>,
     call: CallPolicy<Bu, M>,
     attempt: Attempt<S, B, Bu, M>,
 }
@@ -117,15 +116,14 @@ where
     // service and copy its `call` would have kept.
     #[inline(always)]
     pub(crate) fn new(
-        mut call: CallPolicy<Bu, M>,
+        call: CallPolicy<Bu, M>,
         mut attempt: Attempt<S, B, Bu, M>,
         readied: &mut S,
         req: Request<ReplayBody<B>>,
         end: CallEnd<M>,
         cancel: Option<DropGuard>,
     ) -> Self {
-        let copy =
-            Policy::<_, Response<ResponseBody<RB, M>>, Failure>::clone_request(&mut call, &req);
+        let copy = call.first_copy(&req);
         let future = attempt.call_first(readied, req);
         let retry = copy.map(|copy| Retry {
             copy,
@@ -162,7 +160,7 @@ where
                     let Some(r) = retry.as_mut() else {
                         break result;
                     };
-                    match r.call.retry(&mut r.copy, &mut result) {
+                    match r.call.after(&mut r.copy, &mut result) {
                         None => break result,
                         Some(backoff) => {
                             let retry = retry.take();
@@ -182,6 +180,7 @@ where
                     };
                     // As tower's own loop does after a wait: the attempts'
                     // service is always ready, and the retry goes out now.
+                    let copy = copy.into_request();
                     let future = tower::retry::Retry::new(call, attempt).call(copy);
                     this.step.set(Step::Retrying { future });
                 }

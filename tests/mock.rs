@@ -460,6 +460,48 @@ async fn attempts_are_numbered_and_failed_instances_marked() {
     call.await.unwrap().unwrap();
 }
 
+/// What a retry sends beside the layer's own marks is the caller's request
+/// as it was: method, URI, version, every value of every header in order
+/// (a repeated header too, its sensitive flag kept) and the extensions.
+#[tokio::test(start_paused = true)]
+async fn a_retry_carries_the_callers_request_whole() {
+    #[derive(Clone, Debug, PartialEq)]
+    struct Tenant(&'static str);
+
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let mut req = request();
+    *req.version_mut() = http::Version::HTTP_2;
+    req.headers_mut()
+        .append("x-tag", HeaderValue::from_static("first"));
+    req.headers_mut()
+        .append("x-tag", HeaderValue::from_static("second"));
+    let mut secret = HeaderValue::from_static("s3cret");
+    secret.set_sensitive(true);
+    req.headers_mut().insert("authorization", secret);
+    req.extensions_mut().insert(Tenant("acme"));
+    let call = spawn_call(&mut svc, req).await;
+
+    let (first, send, _) = next(&mut handle).await;
+    send.send_response(status_from("instance-a", Code::Unavailable));
+    let (retry, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    assert_eq!(retry.method(), first.method());
+    assert_eq!(retry.uri(), first.uri());
+    assert_eq!(retry.version(), http::Version::HTTP_2);
+    let tags: Vec<_> = retry.headers().get_all("x-tag").iter().collect();
+    assert_eq!(tags, ["first", "second"]);
+    assert!(retry.headers()["authorization"].is_sensitive());
+    assert_eq!(retry.extensions().get::<Tenant>(), Some(&Tenant("acme")));
+    // Every header of the first attempt is on the retry, once, with its
+    // values; the retry adds only its marks.
+    let mut expected = first.headers().clone();
+    expected.insert("grpc-previous-rpc-attempts", HeaderValue::from_static("1"));
+    expected.insert("x-already-tried", HeaderValue::from_static("instance-a"));
+    assert_eq!(retry.headers(), &expected);
+}
+
 #[tokio::test(start_paused = true)]
 async fn resource_exhausted_waits_the_servers_retry_delay() {
     let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
