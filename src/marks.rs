@@ -33,12 +33,12 @@ pub(crate) fn new_idempotency_key() -> HeaderValue {
         .try_with(|keys| {
             let mut keys = keys.borrow_mut();
             if keys.is_empty() {
-                *keys = key_block(KEYS_PER_BLOCK);
+                *keys = key_block();
             }
             keys.split_to(KEY_LEN)
         })
-        // The thread is ending and its block is gone: a key of its own.
-        .unwrap_or_else(|_| key_block(1));
+        // The thread is ending and its block is gone: a block of its own.
+        .unwrap_or_else(|_| key_block().split_to(KEY_LEN));
     let mut key = HeaderValue::from_maybe_shared(key).expect("hex digits are a valid header value");
     // A value that never repeats must stay out of HPACK's dynamic table:
     // indexing it would evict the headers that do repeat and make every
@@ -59,14 +59,19 @@ thread_local! {
     static KEYS: std::cell::RefCell<Bytes> = const { std::cell::RefCell::new(Bytes::new()) };
 }
 
-/// `count` keys of 128 bits each from the thread's cryptographically seeded
-/// generator, as hex digits.
-fn key_block(count: usize) -> Bytes {
+/// [`KEYS_PER_BLOCK`] keys of 128 bits each from the thread's
+/// cryptographically seeded generator, as hex digits.
+///
+/// The block is made on the stack and moved into the one allocation
+/// [`Bytes::from_owner`] makes for it, whose keys are then cut with a
+/// reference count: a `Vec` given to `Bytes` would be a second allocation,
+/// and its first cut a third (it is made shared then).
+fn key_block() -> Bytes {
     use rand::Rng;
 
-    let mut words = vec![0u64; count * KEY_LEN / 16];
+    let mut words = [0u64; KEYS_PER_BLOCK * KEY_LEN / 16];
     rand::rng().fill(&mut words[..]);
-    let mut digits = vec![0u8; count * KEY_LEN];
+    let mut digits = [0u8; KEYS_PER_BLOCK * KEY_LEN];
     for (out, word) in digits.chunks_exact_mut(16).zip(words) {
         // Every nibble of the word becomes one digit, so all 64 random bits
         // are kept (in an order of no consequence: they are random).
@@ -74,7 +79,7 @@ fn key_block(count: usize) -> Bytes {
         out[..8].copy_from_slice(&hex_digits(word & LOW));
         out[8..].copy_from_slice(&hex_digits((word >> 4) & LOW));
     }
-    Bytes::from(digits)
+    Bytes::from_owner(digits)
 }
 
 /// The lowercase hex digits of eight nibbles, one in each byte of
