@@ -224,7 +224,10 @@ impl<B> FirstCopy<B> {
 
     /// The request the first retry sends.
     pub(crate) fn into_request(self) -> Request<ReplayBody<B>> {
-        let mut headers = HeaderMap::with_capacity(self.headers.len());
+        // NOTE: sized by values, not names: a map holds any number of
+        // values for its at most 24,576 names, and its capacity is bounded,
+        // so a request with more values grows its map as it is filled.
+        let mut headers = HeaderMap::try_with_capacity(self.headers.len()).unwrap_or_default();
         for (name, value) in self.headers {
             headers.append(name, value);
         }
@@ -254,8 +257,18 @@ impl<B> RetryCopy<B> for FirstCopy<B> {
     }
 
     fn set_header(&mut self, name: HeaderName, value: HeaderValue) {
-        self.headers.retain(|(n, _)| *n != name);
-        self.headers.push((name, value));
+        // As `HeaderMap::insert`: the value takes the header's place, where
+        // it had one, and its other values go.
+        let Some(at) = self.headers.iter().position(|(n, _)| *n == name) else {
+            self.headers.push((name, value));
+            return;
+        };
+        self.headers[at].1 = value;
+        let mut i = 0;
+        self.headers.retain(|(n, _)| {
+            i += 1;
+            i <= at + 1 || *n != name
+        });
     }
 
     fn extensions_mut(&mut self) -> &mut Extensions {
@@ -969,6 +982,9 @@ mod tests {
         }
         let rebuilt = copy.into_request();
         assert_eq!(rebuilt.headers(), same.headers());
+        // In the same order too: a header set again keeps its place.
+        let names = |map: &HeaderMap| map.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(names(rebuilt.headers()), names(same.headers()));
         let tags: Vec<_> = rebuilt.headers().get_all("x-tag").iter().collect();
         assert_eq!(tags, ["only"]);
     }

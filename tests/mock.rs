@@ -502,6 +502,77 @@ async fn a_retry_carries_the_callers_request_whole() {
     assert_eq!(retry.headers(), &expected);
 }
 
+/// A caller's `x-already-tried` (merged with what the layer learns) is set
+/// again on every retry where the caller put it, as `HeaderMap::insert`
+/// does: the retries carry the first attempt's headers in its order.
+#[tokio::test(start_paused = true)]
+async fn a_callers_already_tried_mark_keeps_its_place_on_retries() {
+    fn names(req: &Request<Body>) -> Vec<String> {
+        req.headers()
+            .keys()
+            .map(|n| n.as_str().to_owned())
+            .collect()
+    }
+
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let mut req = request();
+    req.headers_mut()
+        .insert("x-already-tried", HeaderValue::from_static("zone-x"));
+    req.headers_mut()
+        .insert("x-after", HeaderValue::from_static("1"));
+    let call = spawn_call(&mut svc, req).await;
+
+    let (first, send, _) = next(&mut handle).await;
+    send.send_response(status_from("instance-a", Code::Unavailable));
+    let (retry1, send, _) = next(&mut handle).await;
+    send.send_response(status_from("instance-b", Code::Unavailable));
+    let (retry2, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    assert_eq!(retry1.headers()["x-already-tried"], "zone-x,instance-a");
+    assert_eq!(
+        retry2.headers()["x-already-tried"],
+        "zone-x,instance-a,instance-b"
+    );
+    let mut expected = names(&first);
+    expected.push("grpc-previous-rpc-attempts".to_owned());
+    assert_eq!(
+        [names(&retry1), names(&retry2)],
+        [expected.clone(), expected],
+        "first and second retries"
+    );
+}
+
+/// A request whose headers hold more values than a header map has room for
+/// names (one name repeated past 24,576 values) is retried as any other:
+/// the retry's map is never sized past what a map may reserve.
+#[tokio::test(start_paused = true)]
+async fn a_request_with_many_header_values_is_retried() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let mut req = request();
+    for _ in 0..24_577 {
+        req.headers_mut()
+            .append("x-tag", HeaderValue::from_static("v"));
+    }
+    let call = spawn_call(&mut svc, req).await;
+
+    let (first, send, _) = next(&mut handle).await;
+    assert_eq!(first.headers().get_all("x-tag").iter().count(), 24_577);
+    send.send_response(status(Code::Unavailable));
+    let retry = tokio::time::timeout(Duration::from_secs(5), next(&mut handle)).await;
+    let Ok((retry, send, _)) = retry else {
+        let why = match call.await {
+            Err(e) if e.is_panic() => "the call panicked".to_owned(),
+            other => format!("{other:?}"),
+        };
+        panic!("no retry was sent: {why}");
+    };
+    assert_eq!(retry.headers().get_all("x-tag").iter().count(), 24_577);
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
 #[tokio::test(start_paused = true)]
 async fn resource_exhausted_waits_the_servers_retry_delay() {
     let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
