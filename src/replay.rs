@@ -24,9 +24,10 @@
 //! its HTTP stream still pulls fails instead of taking chunks the live attempt
 //! needs.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll, Waker};
 
@@ -43,7 +44,7 @@ use crate::marks::{PickSlot, PickedInstance};
 /// Clones share one source and one copy; each clone reads the whole body from
 /// its start.
 pub struct ReplayBody<B> {
-    shared: Arc<Mutex<Shared<B>>>,
+    state: State<B>,
     /// The next chunk this clone yields.
     pos: usize,
     /// Whether this clone has yielded the trailers.
@@ -66,6 +67,179 @@ pub struct ReplayBody<B> {
     /// A retried call's attempt sent that may be drained if cut by its own
     /// timeout (see [`drainable`](Self::drainable)).
     drainable: bool,
+}
+
+/// Where the clones of one body read from.
+enum State<B> {
+    /// The caller's body, streamed by the attempt at the front and copied
+    /// for the others.
+    Streamed(Arc<Mutex<Shared<B>>>),
+    /// The caller's body, read whole before the first attempt was sent.
+    Whole(Arc<Whole>),
+}
+
+impl<B> Clone for State<B> {
+    fn clone(&self) -> Self {
+        match self {
+            State::Streamed(shared) => State::Streamed(Arc::clone(shared)),
+            State::Whole(whole) => State::Whole(Arc::clone(whole)),
+        }
+    }
+}
+
+/// A body that was all there when the call was made (a unary call's one
+/// message): every clone replays it from here, and nothing is locked to read
+/// it. No clone can take anything another needs, so none is ever refused
+/// (an earlier attempt's stream, still pulled after a later one was sent,
+/// reads what it would have sent), and release only ends the retries: the
+/// bytes go with the last clone.
+struct Whole {
+    chunks: Kept,
+    trailers: Option<HeaderMap>,
+    /// The caller's body knew its size exactly. The first attempt's clone
+    /// says its size as the caller's body did (so an HTTP/2 client adds a
+    /// `content-length` to the request only where it would have without the
+    /// layer); a clone for a retry, of a body all read, knows it exactly.
+    exact: bool,
+    /// No retry can follow: a clone can no longer be sent.
+    released: AtomicBool,
+    /// The layer's memory for the copies of its calls in flight, and how
+    /// much of it this body holds until it is released.
+    memory: Option<Arc<dyn Account>>,
+    reserved: usize,
+    /// The instance a balancer below reported for the current attempt.
+    picked: Mutex<Option<HeaderValue>>,
+}
+
+impl Whole {
+    fn replay_state(&self) -> Result<(), ReplayError> {
+        if self.released.load(Ordering::Relaxed) {
+            return Err(ReplayError::Released);
+        }
+        Ok(())
+    }
+
+    /// No retry can follow: the layer's memory gets back what the copy held.
+    fn release(&self) {
+        if !self.released.swap(true, Ordering::Relaxed)
+            && self.reserved > 0
+            && let Some(memory) = &self.memory
+        {
+            memory.memory().release(self.reserved);
+        }
+    }
+
+    /// The frame a clone at `pos` reads next.
+    fn frame(&self, pos: &mut usize, trailers_sent: &mut bool) -> Option<Frame<Bytes>> {
+        if *pos < self.chunks.len() {
+            let chunk = self.chunks.get(*pos).clone();
+            *pos += 1;
+            return Some(Frame::data(chunk));
+        }
+        match &self.trailers {
+            Some(trailers) if !*trailers_sent => {
+                *trailers_sent = true;
+                Some(Frame::trailers(trailers.clone()))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Whole {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl PickSlot for Whole {
+    fn set(&self, instance: HeaderValue) {
+        PickSlot::set(&self.picked, instance);
+    }
+
+    fn get(&self) -> Option<HeaderValue> {
+        PickSlot::get(&self.picked)
+    }
+}
+
+/// The most frames [`ReplayBody::at_once`] reads before the first attempt.
+const AT_ONCE_FRAMES: usize = 8;
+
+/// What the caller's body had ready when the call was made.
+struct AtOnce {
+    chunks: Kept,
+    bytes: usize,
+    trailers: Option<HeaderMap>,
+    /// The body ended (its last frame, or trailers, was read).
+    ended: bool,
+    /// The body failed: its error, which the attempt reading up to it gets.
+    error: Option<BoxError>,
+}
+
+impl AtOnce {
+    /// Reads what `body` has ready now, without waiting: until it ends, fails
+    /// or answers `Pending`, has given [`AT_ONCE_FRAMES`] frames, or more
+    /// than `limit` bytes.
+    fn read<B>(body: &mut B, limit: usize) -> Self
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        // NOTE: nothing is woken through this waker, and nothing needs to
+        // be: the attempt that reads on polls the body itself, with its own.
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut read = AtOnce {
+            chunks: Kept::default(),
+            bytes: 0,
+            trailers: None,
+            ended: false,
+            error: None,
+        };
+        while read.chunks.len() < AT_ONCE_FRAMES && read.bytes <= limit {
+            match Pin::new(&mut *body).poll_frame(&mut cx) {
+                Poll::Pending => break,
+                Poll::Ready(None) => {
+                    read.ended = true;
+                    break;
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    read.error = Some(error.into());
+                    break;
+                }
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(chunk) => {
+                        read.bytes = read.bytes.saturating_add(chunk.len());
+                        read.chunks.push(chunk);
+                    }
+                    Err(frame) => {
+                        // NOTE: http-body's frames are data or trailers, and
+                        // trailers end a body.
+                        read.trailers = frame.into_trailers().ok();
+                        read.ended = true;
+                        break;
+                    }
+                },
+            }
+        }
+        read
+    }
+
+    /// The frames read, in order, for an attempt to send first.
+    fn into_frames(self) -> VecDeque<Result<Frame<Bytes>, BoxError>> {
+        let AtOnce {
+            chunks: Kept { first, rest },
+            trailers,
+            error,
+            ..
+        } = self;
+        first
+            .into_iter()
+            .chain(rest)
+            .map(|chunk| Ok(Frame::data(chunk)))
+            .chain(trailers.map(|t| Ok(Frame::trailers(t))))
+            .chain(error.map(Err))
+            .collect()
+    }
 }
 
 /// The epoch of a clone that was never sent.
@@ -92,6 +266,14 @@ fn attempt_bit(number: u8) -> u8 {
 struct Shared<B> {
     /// The caller's body, while it has more to give.
     source: Option<B>,
+    /// Frames read from the caller's body before the first attempt was
+    /// sent ([`ReplayBody::at_once`]), which the attempt at the front reads
+    /// as it would the body's.
+    head: VecDeque<Result<Frame<Bytes>, BoxError>>,
+    /// The caller's body ended with the last of `head`.
+    head_ends: bool,
+    /// The caller's body knew its size exactly when `head` was read.
+    head_exact: bool,
     /// A copy of every data chunk read so far, until the limit is passed.
     chunks: Kept,
     /// Data chunks read from the source, including ones no longer kept.
@@ -411,8 +593,11 @@ impl<B: Body> ReplayBody<B> {
         pull: Option<Pull<B>>,
     ) -> Self {
         ReplayBody {
-            shared: Arc::new(Mutex::new(Shared {
+            state: State::Streamed(Arc::new(Mutex::new(Shared {
                 source: Some(body),
+                head: VecDeque::new(),
+                head_ends: false,
+                head_exact: false,
                 chunks: Kept::default(),
                 read: 0,
                 bytes: 0,
@@ -445,6 +630,73 @@ impl<B: Body> ReplayBody<B> {
                 pull,
                 over: false,
                 error: None,
+            }))),
+            pos: 0,
+            trailers_sent: false,
+            epoch: 0,
+            last: false,
+            retry: false,
+            waited: false,
+            hedge: false,
+            attempt: 0,
+            drainable: false,
+        }
+    }
+}
+
+impl<B> ReplayBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    /// Wraps `body` as [`sharing`](Self::sharing) does, for a call that may
+    /// be retried, once what the caller's body has ready now is read
+    /// ([`AtOnce`]). A body read to its end within the limits — a unary
+    /// call's one message — is kept [`Whole`]: its clones replay it without a
+    /// lock. Any other goes on as `sharing` makes it, the first attempt
+    /// sending what was read before it reads on.
+    pub(crate) fn at_once(mut body: B, limit: usize, memory: Option<Arc<dyn Account>>) -> Self {
+        let hint = body.size_hint();
+        if hint.lower() > limit as u64 {
+            return Self::sharing(body, limit, memory);
+        }
+        let exact = hint.exact().is_some();
+        let read = AtOnce::read(&mut body, limit);
+        if read.ended && read.error.is_none() && read.bytes <= limit {
+            let reserved = match &memory {
+                Some(account) if read.bytes > 0 => account.memory().try_reserve(read.bytes),
+                _ => true,
+            };
+            if reserved {
+                let memory = memory.filter(|_| read.bytes > 0);
+                return Self::read_whole(read, exact, memory);
+            }
+        }
+        let replay = Self::sharing(body, limit, memory);
+        let read_any = read.chunks.len() > 0 || read.ended || read.error.is_some();
+        if read_any && let Ok(mut shared) = replay.state() {
+            shared.head_ends = read.ended;
+            shared.head_exact = exact;
+            if read.ended {
+                shared.source = None;
+            }
+            shared.head = read.into_frames();
+        }
+        replay
+    }
+
+    /// A body read whole, `memory` (if any) holding what it reserved there.
+    fn read_whole(read: AtOnce, exact: bool, memory: Option<Arc<dyn Account>>) -> Self {
+        let reserved = if memory.is_some() { read.bytes } else { 0 };
+        ReplayBody {
+            state: State::Whole(Arc::new(Whole {
+                chunks: read.chunks,
+                trailers: read.trailers,
+                exact,
+                released: AtomicBool::new(false),
+                memory,
+                reserved,
+                picked: Mutex::new(None),
             })),
             pos: 0,
             trailers_sent: false,
@@ -460,10 +712,15 @@ impl<B: Body> ReplayBody<B> {
 }
 
 impl<B> ReplayBody<B> {
-    fn lock(&self) -> MutexGuard<'_, Shared<B>> {
-        // A poisoned lock only means a body poll panicked elsewhere; the counts
-        // it guards are updated atomically with respect to that, so go on.
-        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The streamed state, locked; or the body read whole.
+    fn state(&self) -> Result<MutexGuard<'_, Shared<B>>, &Whole> {
+        match &self.state {
+            // A poisoned lock only means a body poll panicked elsewhere; the
+            // counts it guards are updated atomically with respect to that,
+            // so go on.
+            State::Streamed(shared) => Ok(shared.lock().unwrap_or_else(PoisonError::into_inner)),
+            State::Whole(whole) => Err(whole),
+        }
     }
 
     /// Whether a new clone could still send the whole body: the copy has not
@@ -475,7 +732,10 @@ impl<B> ReplayBody<B> {
     /// Why a new clone could not send the whole body, if it could not. A
     /// body nothing has been read from yet can always be sent whole.
     pub(crate) fn whole(&self) -> Result<(), ReplayError> {
-        let shared = self.lock();
+        let shared = match self.state() {
+            Ok(shared) => shared,
+            Err(whole) => return whole.replay_state(),
+        };
         if shared.read == 0 && !shared.failed && !shared.released_to_one() {
             return Ok(());
         }
@@ -484,16 +744,23 @@ impl<B> ReplayBody<B> {
 
     /// Why a new clone could not send the whole body, if it could not.
     pub(crate) fn replay_state(&self) -> Result<(), ReplayError> {
-        self.lock().replay_state()
+        match self.state() {
+            Ok(shared) => shared.replay_state(),
+            Err(whole) => whole.replay_state(),
+        }
     }
 
     /// The call can no longer be retried: only the attempt sent last may read
     /// on, nothing more is copied, and the copy goes once that attempt has
     /// replayed it. Other clones fail with [`ReplayError::Released`].
     pub(crate) fn release(&self) {
-        let mut shared = self.lock();
-        let live = shared.live;
-        shared.finalize(live);
+        match self.state() {
+            Ok(mut shared) => {
+                let live = shared.live;
+                shared.finalize(live);
+            }
+            Err(whole) => whole.release(),
+        }
     }
 
     /// Marks this clone as the call's last attempt, to be sent next: once it
@@ -527,7 +794,16 @@ impl<B> ReplayBody<B> {
 
     /// Records that this clone is being sent as the call's next attempt.
     pub(crate) fn sent(&mut self) {
-        let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        let shared = match &self.state {
+            State::Streamed(shared) => shared,
+            State::Whole(whole) => {
+                if self.last {
+                    whole.release();
+                }
+                return;
+            }
+        };
+        let mut shared = shared.lock().unwrap_or_else(PoisonError::into_inner);
         shared.live = shared.live.saturating_add(1).min(UNSENT - 1);
         shared.live_pos = self.pos;
         self.epoch = shared.live;
@@ -550,14 +826,22 @@ impl<B> ReplayBody<B> {
     where
         B: Send + 'static,
     {
+        // A body read whole needs nothing kept for a drained attempt: its
+        // clone reads on from what every clone shares.
+        let State::Streamed(shared) = &self.state else {
+            return None;
+        };
         let bit = epoch_bit(self.epoch);
         if self.attempt != 0 || bit == 0 {
             return None;
         }
         self.drainable = true;
-        self.lock().drainable |= bit;
+        shared
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drainable |= bit;
         Some(Lingering {
-            shared: Arc::downgrade(&self.shared) as Weak<dyn Drains>,
+            shared: Arc::downgrade(shared) as Weak<dyn Drains>,
             epoch: self.epoch,
         })
     }
@@ -565,8 +849,10 @@ impl<B> ReplayBody<B> {
     /// Numbers this clone as attempt `number` of a hedged call.
     pub(crate) fn set_attempt(&mut self, number: u32) {
         self.attempt = attempt_number(number);
-        if self.attempt != 0 {
-            self.lock().alive |= attempt_bit(self.attempt);
+        if self.attempt != 0
+            && let Ok(mut shared) = self.state()
+        {
+            shared.alive |= attempt_bit(self.attempt);
         }
     }
 
@@ -579,7 +865,10 @@ impl<B> ReplayBody<B> {
     /// the body, and failing it would reset their stream after all: the body
     /// is kept for them, and released to `number` when the last of them goes.
     pub(crate) fn release_to(&self, number: u32) {
-        let mut shared = self.lock();
+        let mut shared = match self.state() {
+            Ok(shared) => shared,
+            Err(whole) => return whole.release(),
+        };
         let number = attempt_number(number);
         if shared.alive & !attempt_bit(number) == 0 {
             shared.release_to_attempt(number);
@@ -591,23 +880,32 @@ impl<B> ReplayBody<B> {
     /// Takes the instance a balancer reported for the last attempt, leaving
     /// the slot empty for the next.
     pub(crate) fn take_picked(&self) -> Option<HeaderValue> {
-        self.lock().picked.take()
+        match self.state() {
+            Ok(mut shared) => shared.picked.take(),
+            Err(whole) => whole
+                .picked
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        }
     }
 
     /// Whether the body outgrew the replay limit.
     pub fn is_capped(&self) -> bool {
-        self.lock().capped
+        self.state().is_ok_and(|shared| shared.capped)
     }
 
     /// Whether the caller's body has been read to its end.
     pub fn is_complete(&self) -> bool {
-        self.lock().ended
+        self.state().map_or(true, |shared| shared.ended)
     }
 
     /// Lets attempts read the body side by side, as a hedged call's do: a
     /// later attempt being sent no longer ends an earlier one's reading.
     pub(crate) fn set_concurrent(&self) {
-        self.lock().concurrent = true;
+        if let Ok(mut shared) = self.state() {
+            shared.concurrent = true;
+        }
     }
 
     /// Whether a hedge due now can send the whole body side by side with the
@@ -623,7 +921,12 @@ impl<B> ReplayBody<B> {
     /// being made) does not hold back the hedge of a body that is all there.
     /// Without it, Pending while the first attempt reads, woken as it does.
     pub(crate) fn poll_hedgeable(&self, cx: &mut Context<'_>, ahead: bool) -> Poll<bool> {
-        let mut guard = self.lock();
+        // NOTE: a hedged call's body is never read before its first attempt
+        // (`at_once`), so its streamed state has no `head` to read first.
+        let mut guard = match self.state() {
+            Ok(shared) => shared,
+            Err(whole) => return Poll::Ready(whole.replay_state().is_ok()),
+        };
         let shared = &mut *guard;
         if shared.replay_state().is_err() {
             return Poll::Ready(false);
@@ -699,7 +1002,10 @@ impl<B> ReplayBody<B> {
 impl<B: Send + 'static> ReplayBody<B> {
     /// The call's [`PickedInstance`] slot, for an attempt's request extensions.
     pub(crate) fn picked_instance(&self) -> PickedInstance {
-        PickedInstance::from_slot(Arc::clone(&self.shared) as Arc<dyn PickSlot>)
+        PickedInstance::from_slot(match &self.state {
+            State::Streamed(shared) => Arc::clone(shared) as Arc<dyn PickSlot>,
+            State::Whole(whole) => Arc::clone(whole) as Arc<dyn PickSlot>,
+        })
     }
 }
 
@@ -974,7 +1280,14 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        let mut guard = this.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        let shared = match &this.state {
+            State::Streamed(shared) => shared,
+            State::Whole(whole) => {
+                let frame = whole.frame(&mut this.pos, &mut this.trailers_sent);
+                return Poll::Ready(frame.map(Ok));
+            }
+        };
+        let mut guard = shared.lock().unwrap_or_else(PoisonError::into_inner);
         let shared = &mut *guard;
 
         // An earlier attempt's stream, still pulled after a later attempt was
@@ -1042,11 +1355,20 @@ where
             return shared.hold_back(this.epoch, &mut this.waited, cx);
         }
 
-        // This clone is at the front: read on from the caller's body.
-        let Some(source) = shared.source.as_mut() else {
-            return Poll::Ready(None);
+        // This clone is at the front: read on from the caller's body, the
+        // frames read before the first attempt first.
+        let polled = if let Some(frame) = shared.head.pop_front() {
+            Poll::Ready(Some(frame))
+        } else if shared.head_ends {
+            Poll::Ready(None)
+        } else {
+            let Some(source) = shared.source.as_mut() else {
+                return Poll::Ready(None);
+            };
+            Pin::new(source)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|frame| frame.map_err(Into::into)))
         };
-        let polled = Pin::new(source).poll_frame(cx);
         let out = match polled {
             Poll::Pending => {
                 shared.stalled = true;
@@ -1062,7 +1384,8 @@ where
             Poll::Ready(Some(Err(e))) => {
                 shared.failed = true;
                 shared.source = None;
-                Some(Err(e.into()))
+                shared.head.clear();
+                Some(Err(e))
             }
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                 Ok(chunk) => {
@@ -1091,22 +1414,60 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        let shared = self.lock();
+        let shared = match self.state() {
+            Ok(shared) => shared,
+            Err(whole) => {
+                return self.pos >= whole.chunks.len()
+                    && (whole.trailers.is_none() || self.trailers_sent);
+            }
+        };
         if self.pos < shared.read {
             return false;
         }
         if shared.ended {
             return shared.trailers.is_none() || self.trailers_sent;
         }
-        !shared.failed && shared.source.as_ref().is_some_and(B::is_end_stream)
+        // NOTE: frames read before the first attempt are still to come, and
+        // a body whose end was read then still has that end to give.
+        !shared.failed
+            && shared.head.is_empty()
+            && !shared.head_ends
+            && shared.source.as_ref().is_some_and(B::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        let shared = self.lock();
+        let shared = match self.state() {
+            Ok(shared) => shared,
+            Err(whole) => {
+                let rest = whole.chunks.bytes_from(self.pos);
+                // The first attempt's clone is the only one not made by `clone`.
+                if whole.exact || self.epoch != 0 {
+                    return SizeHint::with_exact(rest);
+                }
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest);
+                return hint;
+            }
+        };
         if shared.capped && self.pos < shared.read {
             return SizeHint::default();
         }
-        let kept = shared.chunks.bytes_from(self.pos);
+        let head: u64 = shared
+            .head
+            .iter()
+            .filter_map(|frame| frame.as_ref().ok()?.data_ref())
+            .map(|chunk| chunk.len() as u64)
+            .sum();
+        let kept = shared.chunks.bytes_from(self.pos).saturating_add(head);
+        if shared.head_ends {
+            // As the caller's body said its size (see `Whole::exact`).
+            if shared.head_exact {
+                return SizeHint::with_exact(kept);
+            }
+            let mut hint = SizeHint::new();
+            hint.set_lower(kept);
+            return hint;
+        }
         match &shared.source {
             None => SizeHint::with_exact(kept),
             Some(source) => {
@@ -1126,7 +1487,7 @@ impl<B> Clone for ReplayBody<B> {
     /// A clone that reads the body again from its start.
     fn clone(&self) -> Self {
         ReplayBody {
-            shared: Arc::clone(&self.shared),
+            state: self.state.clone(),
             pos: 0,
             trailers_sent: false,
             epoch: UNSENT,
@@ -1149,7 +1510,9 @@ impl<B> Drop for ReplayBody<B> {
         // A hedged call's attempt, or a retried call's that may be drained,
         // also says it is gone: it may be the last the copy is kept for.
         if self.waited || self.attempt != 0 || self.drainable {
-            let mut shared = self.lock();
+            let Ok(mut shared) = self.state() else {
+                return;
+            };
             if self.attempt != 0 {
                 shared.gone(self.attempt);
             }
@@ -1171,7 +1534,19 @@ impl<B> Drop for ReplayBody<B> {
 
 impl<B> fmt::Debug for ReplayBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let shared = self.lock();
+        let shared = match self.state() {
+            Ok(shared) => shared,
+            Err(whole) => {
+                return f
+                    .debug_struct("ReplayBody")
+                    .field("pos", &self.pos)
+                    .field("chunks", &whole.chunks.len())
+                    .field("released", &whole.released.load(Ordering::Relaxed))
+                    .field("retry", &self.retry)
+                    .field("whole", &true)
+                    .finish();
+            }
+        };
         f.debug_struct("ReplayBody")
             .field("pos", &self.pos)
             .field("read", &shared.read)
@@ -1273,7 +1648,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body_util::{BodyExt, StreamBody};
+    use http_body_util::{BodyExt, Full, StreamBody};
     use tokio::sync::mpsc;
     use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -1289,6 +1664,15 @@ mod tests {
         let (tx, rx) = mpsc::unbounded_channel();
         let body = ReplayBody::new(StreamBody::new(UnboundedReceiverStream::new(rx)), limit);
         (tx, body)
+    }
+
+    /// The source `fixture` wraps, for a body made another way.
+    fn fixture_source() -> (
+        mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>,
+        Source,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (tx, StreamBody::new(UnboundedReceiverStream::new(rx)))
     }
 
     fn data(s: &'static str) -> Result<Frame<Bytes>, BoxError> {
@@ -1430,7 +1814,7 @@ mod tests {
 
     /// How many chunks the shared copy holds.
     fn kept(body: &ReplayBody<Source>) -> usize {
-        let shared = body.lock();
+        let shared = body.state().ok().expect("a streamed body");
         usize::from(shared.chunks.first.is_some()) + shared.chunks.rest.len()
     }
 
@@ -1591,5 +1975,171 @@ mod tests {
             err.downcast_ref::<ReplayError>(),
             Some(&ReplayError::LayerFull)
         );
+    }
+
+    /// A body the layer's memory counts, read at once as a retried call's is.
+    fn at_once<T>(source: T, limit: usize, memory: &Arc<ReplayMemory>) -> ReplayBody<T>
+    where
+        T: Body<Data = Bytes> + Unpin,
+        T::Error: Into<BoxError>,
+    {
+        let memory = Some(Arc::clone(memory) as Arc<dyn Account>);
+        ReplayBody::at_once(source, limit, memory)
+    }
+
+    #[tokio::test]
+    async fn a_body_all_there_is_read_whole_and_replayed_without_its_source() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        let (tx, source) = fixture_source();
+        tx.send(data("ab")).unwrap();
+        tx.send(data("cd")).unwrap();
+        tx.send(Ok(Frame::trailers(trailers("x-t", "1")))).unwrap();
+        let first = at_once(source, 64, &memory);
+        assert!(matches!(first.state, State::Whole(_)));
+        assert!(first.is_complete() && first.is_replayable() && !first.is_capped());
+        assert_eq!(memory.used(), 4, "the copy is counted from the start");
+        let second = first.clone();
+        let third = first.clone();
+        // The caller's body is not read again: its sender may go.
+        drop(tx);
+        for body in [first, second] {
+            let (bytes, t) = collect(body).await;
+            assert_eq!(bytes, b"abcd");
+            assert_eq!(t.unwrap()["x-t"], "1");
+        }
+        // No retry follows: a clone can no longer be sent, and the layer's
+        // memory gets back what the copy held.
+        third.release();
+        assert_eq!(third.whole(), Err(ReplayError::Released));
+        assert_eq!(memory.used(), 0);
+        drop(third);
+        assert_eq!(memory.used(), 0, "given back once");
+    }
+
+    #[tokio::test]
+    async fn a_body_read_whole_gives_the_memory_back_when_its_last_clone_goes() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        let first = at_once(Full::new(Bytes::from_static(b"hello")), 64, &memory);
+        let second = first.clone();
+        assert_eq!(memory.used(), 5);
+        drop(first);
+        assert_eq!(memory.used(), 5, "a clone still holds the copy");
+        drop(second);
+        assert_eq!(memory.used(), 0, "a call dropped unreleased holds nothing");
+    }
+
+    #[tokio::test]
+    async fn a_body_not_all_there_sends_what_was_read_then_streams_on() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        let (tx, source) = fixture_source();
+        tx.send(data("early")).unwrap();
+        let mut first = at_once(source, 64, &memory);
+        assert!(matches!(first.state, State::Streamed(_)));
+        let second = first.clone();
+        let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(chunk, "early", "what was read at once goes first");
+        tx.send(data(" late")).unwrap();
+        drop(tx);
+        assert_eq!(collect(first).await.0, b" late");
+        assert_eq!(
+            collect(second).await.0,
+            b"early late",
+            "a retry replays all"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_failing_at_once_fails_its_first_attempt_and_is_not_replayed() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        let (tx, source) = fixture_source();
+        tx.send(data("ok")).unwrap();
+        tx.send(Err("the caller's body broke".into())).unwrap();
+        let mut first = at_once(source, 64, &memory);
+        let second = first.clone();
+        assert!(
+            second.whole().is_ok(),
+            "nothing is known broken before it is sent"
+        );
+        let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(chunk, "ok");
+        let err = first.frame().await.unwrap().unwrap_err();
+        assert_eq!(err.to_string(), "the caller's body broke");
+        assert_eq!(second.replay_state(), Err(ReplayError::SourceFailed));
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_read_at_once_is_sent_whole_and_not_replayed() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        let (tx, source) = fixture_source();
+        tx.send(data("0123")).unwrap();
+        tx.send(data("4567")).unwrap();
+        drop(tx);
+        let first = at_once(source, 6, &memory);
+        let second = first.clone();
+        assert_eq!(collect(first).await.0, b"01234567", "sent whole");
+        assert_eq!(second.replay_state(), Err(ReplayError::Capped));
+        assert_eq!(memory.used(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_the_layer_has_no_room_for_is_sent_whole_and_not_replayed() {
+        let memory = Arc::new(ReplayMemory::new(3));
+        let first = at_once(Full::new(Bytes::from_static(b"hello")), 64, &memory);
+        let second = first.clone();
+        assert_eq!(first.collect().await.unwrap().to_bytes(), "hello");
+        assert_eq!(second.replay_state(), Err(ReplayError::LayerFull));
+        assert_eq!(memory.used(), 0);
+    }
+
+    #[tokio::test]
+    async fn no_more_than_a_few_frames_are_read_before_the_first_attempt() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        let (tx, source) = fixture_source();
+        for _ in 0..AT_ONCE_FRAMES * 4 {
+            tx.send(data("x")).unwrap();
+        }
+        let first = at_once(source, 1 << 20, &memory);
+        match &first.state {
+            State::Streamed(shared) => {
+                let shared = shared.lock().unwrap();
+                assert_eq!(shared.head.len(), AT_ONCE_FRAMES, "the rest waits its turn");
+            }
+            State::Whole(_) => panic!("an unfinished body is not read whole"),
+        }
+        drop(tx);
+        let sent = collect(first).await.0;
+        assert_eq!(
+            sent.len(),
+            AT_ONCE_FRAMES * 4,
+            "nothing lost, nothing twice"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_first_attempt_says_its_size_as_the_callers_body_did() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        // A body that knows its size says so; one that does not (a stream, as
+        // tonic's encoder is) does not start to, so a client adds no
+        // `content-length` the caller's body would not have had.
+        let known = at_once(Full::new(Bytes::from_static(b"hello")), 64, &memory);
+        assert_eq!(known.size_hint().exact(), Some(5));
+        let (tx, source) = fixture_source();
+        tx.send(data("hello")).unwrap();
+        drop(tx);
+        let unknown = at_once(source, 64, &memory);
+        assert!(matches!(unknown.state, State::Whole(_)));
+        assert_eq!(unknown.size_hint().exact(), None);
+        assert_eq!(unknown.size_hint().lower(), 5);
+        // A retry's clone of a body all read knows its size.
+        assert_eq!(unknown.clone().size_hint().exact(), Some(5));
+    }
+
+    #[tokio::test]
+    async fn an_empty_body_is_read_whole_and_ends_at_once() {
+        let memory = Arc::new(ReplayMemory::new(1 << 20));
+        let first = at_once(http_body_util::Empty::<Bytes>::new(), 64, &memory);
+        assert!(first.is_end_stream());
+        assert!(first.clone().is_end_stream() && first.is_replayable());
     }
 }

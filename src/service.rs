@@ -290,7 +290,7 @@ where
             if policy.hedge.is_some() {
                 ReplayBody::hedged(body, policy.replay_limit, memory)
             } else {
-                ReplayBody::sharing(body, policy.replay_limit, memory)
+                ReplayBody::at_once(body, policy.replay_limit, memory)
             }
         } else {
             ReplayBody::unreplayable(body)
