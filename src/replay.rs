@@ -52,21 +52,41 @@ pub struct ReplayBody<B> {
     /// Which send this clone went out as: 0 for the first attempt's (the
     /// body `new` made), [`UNSENT`] for a clone not sent (yet).
     epoch: u32,
-    /// Whether this clone is to be the call's last attempt.
-    last: bool,
-    /// Whether this clone goes out as a retry: an earlier attempt of the
-    /// call was sent, so this one is paid for.
-    retry: bool,
+    /// What the call marked this clone as (see [`Marks`]).
+    marks: Marks,
     /// Whether the caller's body ever answered this clone `Pending`: only
     /// then can its waker be the one the body will wake.
     waited: bool,
-    /// Whether this clone goes out as a hedge (paid for as a retry is).
-    hedge: bool,
     /// For a hedged call's attempt, its number (1 to 5); 0 otherwise.
     attempt: u8,
+}
+
+/// What the call marked a clone as, a bit each. (A clone goes with every
+/// attempt's request, which is moved several times on every call: kept in
+/// one byte, a body stays at 32 bytes, and a request within what a move
+/// copies cheaply.)
+#[derive(Clone, Copy, Default)]
+struct Marks(u8);
+
+impl Marks {
+    /// The clone is to be the call's last attempt.
+    const LAST: u8 = 1;
+    /// The clone goes out as a retry: an earlier attempt of the call was
+    /// sent, so this one is paid for.
+    const RETRY: u8 = 1 << 1;
+    /// The clone goes out as a hedge (paid for as a retry is).
+    const HEDGE: u8 = 1 << 2;
     /// A retried call's attempt sent that may be drained if cut by its own
-    /// timeout (see [`drainable`](Self::drainable)).
-    drainable: bool,
+    /// timeout (see [`ReplayBody::drainable`]).
+    const DRAINABLE: u8 = 1 << 3;
+
+    fn has(self, mark: u8) -> bool {
+        self.0 & mark != 0
+    }
+
+    fn set(&mut self, mark: u8) {
+        self.0 |= mark;
+    }
 }
 
 /// Where the clones of one body read from.
@@ -634,12 +654,9 @@ impl<B: Body> ReplayBody<B> {
             pos: 0,
             trailers_sent: false,
             epoch: 0,
-            last: false,
-            retry: false,
+            marks: Marks::default(),
             waited: false,
-            hedge: false,
             attempt: 0,
-            drainable: false,
         }
     }
 }
@@ -701,12 +718,9 @@ where
             pos: 0,
             trailers_sent: false,
             epoch: 0,
-            last: false,
-            retry: false,
+            marks: Marks::default(),
             waited: false,
-            hedge: false,
             attempt: 0,
-            drainable: false,
         }
     }
 }
@@ -766,30 +780,29 @@ impl<B> ReplayBody<B> {
     /// Marks this clone as the call's last attempt, to be sent next: once it
     /// is sent, it is the only clone that may read.
     pub(crate) fn mark_last(&mut self) {
-        self.last = true;
+        self.marks.set(Marks::LAST);
     }
 
     /// Marks this clone as a retry: an earlier attempt of the call was sent.
     /// An attempt after attempts that were never sent is no retry (it adds
     /// no load the server did not already miss) and is not paid for.
     pub(crate) fn set_retry(&mut self) {
-        self.retry = true;
+        self.marks.set(Marks::RETRY);
     }
 
     /// Whether this clone goes out as a retry.
     pub(crate) fn is_retry(&self) -> bool {
-        self.retry
+        self.marks.has(Marks::RETRY)
     }
 
     /// Marks this clone as a hedge: paid for as a retry, counted as a hedge.
     pub(crate) fn set_hedge(&mut self) {
-        self.retry = true;
-        self.hedge = true;
+        self.marks.set(Marks::RETRY | Marks::HEDGE);
     }
 
     /// Whether this clone goes out as a hedge.
     pub(crate) fn is_hedge(&self) -> bool {
-        self.hedge
+        self.marks.has(Marks::HEDGE)
     }
 
     /// Records that this clone is being sent as the call's next attempt.
@@ -797,7 +810,7 @@ impl<B> ReplayBody<B> {
         let shared = match &self.state {
             State::Streamed(shared) => shared,
             State::Whole(whole) => {
-                if self.last {
+                if self.marks.has(Marks::LAST) {
                     whole.release();
                 }
                 return;
@@ -813,7 +826,7 @@ impl<B> ReplayBody<B> {
         {
             *slot = self.epoch;
         }
-        if self.last {
+        if self.marks.has(Marks::LAST) {
             shared.finalize(self.epoch);
         }
     }
@@ -835,7 +848,7 @@ impl<B> ReplayBody<B> {
         if self.attempt != 0 || bit == 0 {
             return None;
         }
-        self.drainable = true;
+        self.marks.set(Marks::DRAINABLE);
         shared
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -1491,12 +1504,9 @@ impl<B> Clone for ReplayBody<B> {
             pos: 0,
             trailers_sent: false,
             epoch: UNSENT,
-            last: false,
-            retry: false,
+            marks: Marks::default(),
             waited: false,
-            hedge: false,
             attempt: 0,
-            drainable: false,
         }
     }
 }
@@ -1509,14 +1519,15 @@ impl<B> Drop for ReplayBody<B> {
         // no lock to take (the common case: a unary body, read at once).
         // A hedged call's attempt, or a retried call's that may be drained,
         // also says it is gone: it may be the last the copy is kept for.
-        if self.waited || self.attempt != 0 || self.drainable {
+        let drainable = self.marks.has(Marks::DRAINABLE);
+        if self.waited || self.attempt != 0 || drainable {
             let Ok(mut shared) = self.state() else {
                 return;
             };
             if self.attempt != 0 {
                 shared.gone(self.attempt);
             }
-            if self.drainable {
+            if drainable {
                 shared.drainable &= !epoch_bit(self.epoch);
                 if shared.live == self.epoch {
                     // The live attempt is gone: it needs nothing more of the
@@ -1542,7 +1553,7 @@ impl<B> fmt::Debug for ReplayBody<B> {
                     .field("pos", &self.pos)
                     .field("chunks", &whole.chunks.len())
                     .field("released", &whole.released.load(Ordering::Relaxed))
-                    .field("retry", &self.retry)
+                    .field("retry", &self.is_retry())
                     .field("whole", &true)
                     .finish();
             }
@@ -1555,7 +1566,7 @@ impl<B> fmt::Debug for ReplayBody<B> {
             .field("capped", &shared.capped)
             .field("released", &shared.released)
             .field("epoch", &self.epoch)
-            .field("retry", &self.retry)
+            .field("retry", &self.is_retry())
             .field("ended", &shared.ended)
             .finish()
     }
