@@ -150,6 +150,7 @@ impl Whole {
     }
 
     /// The frame a clone at `pos` reads next.
+    #[inline]
     fn frame(&self, pos: &mut usize, trailers_sent: &mut bool) -> Option<Frame<Bytes>> {
         if *pos < self.chunks.len() {
             let chunk = self.chunks.get(*pos).clone();
@@ -1512,6 +1513,7 @@ impl<B> Clone for ReplayBody<B> {
 }
 
 impl<B> Drop for ReplayBody<B> {
+    #[inline]
     fn drop(&mut self) {
         // If this clone was the one the source would wake, whoever waits must
         // poll the source themselves now. A clone the source never answered
@@ -1519,26 +1521,34 @@ impl<B> Drop for ReplayBody<B> {
         // no lock to take (the common case: a unary body, read at once).
         // A hedged call's attempt, or a retried call's that may be drained,
         // also says it is gone: it may be the last the copy is kept for.
+        if self.waited || self.attempt != 0 || self.marks.has(Marks::DRAINABLE) {
+            self.gone();
+        }
+    }
+}
+
+impl<B> ReplayBody<B> {
+    /// This clone, which the shared state knows of, is gone.
+    #[cold]
+    fn gone(&mut self) {
         let drainable = self.marks.has(Marks::DRAINABLE);
-        if self.waited || self.attempt != 0 || drainable {
-            let Ok(mut shared) = self.state() else {
-                return;
-            };
-            if self.attempt != 0 {
-                shared.gone(self.attempt);
+        let Ok(mut shared) = self.state() else {
+            return;
+        };
+        if self.attempt != 0 {
+            shared.gone(self.attempt);
+        }
+        if drainable {
+            shared.drainable &= !epoch_bit(self.epoch);
+            if shared.live == self.epoch {
+                // The live attempt is gone: it needs nothing more of the
+                // copy (a retry sent after it reads from its own start).
+                shared.live_pos = usize::MAX;
             }
-            if drainable {
-                shared.drainable &= !epoch_bit(self.epoch);
-                if shared.live == self.epoch {
-                    // The live attempt is gone: it needs nothing more of the
-                    // copy (a retry sent after it reads from its own start).
-                    shared.live_pos = usize::MAX;
-                }
-                shared.drain_over(self.epoch);
-            }
-            if self.waited {
-                shared.wake_waiting();
-            }
+            shared.drain_over(self.epoch);
+        }
+        if self.waited {
+            shared.wake_waiting();
         }
     }
 }

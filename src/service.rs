@@ -334,13 +334,19 @@ where
 
 /// The already-tried mark the caller set (header, extension or both), merged
 /// and bounded; the first attempt carries it both ways.
+#[inline]
 fn callers_mark(parts: &mut Parts, in_headers: bool) -> AlreadyTried {
-    let in_extensions = parts.extensions.get::<AlreadyTried>();
-    if in_extensions.is_none() && !in_headers {
+    if !in_headers && parts.extensions.get::<AlreadyTried>().is_none() {
         return AlreadyTried::default();
     }
+    merged_mark(parts)
+}
+
+/// The mark the caller set, merged from the header and the extension.
+#[cold]
+fn merged_mark(parts: &mut Parts) -> AlreadyTried {
     let mut tried = AlreadyTried::default();
-    if let Some(mark) = in_extensions {
+    if let Some(mark) = parts.extensions.get::<AlreadyTried>() {
         tried.merge(mark);
     }
     for value in parts.headers.get_all(ALREADY_TRIED) {
