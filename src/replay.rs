@@ -79,6 +79,9 @@ impl Marks {
     /// A retried call's attempt sent that may be drained if cut by its own
     /// timeout (see [`ReplayBody::drainable`]).
     const DRAINABLE: u8 = 1 << 3;
+    /// An attempt sent whose clone of a [`Whole`] body has yet to read it
+    /// all: one of the body's readers.
+    const READING: u8 = 1 << 4;
 
     fn has(self, mark: u8) -> bool {
         self.0 & mark != 0
@@ -86,6 +89,10 @@ impl Marks {
 
     fn set(&mut self, mark: u8) {
         self.0 |= mark;
+    }
+
+    fn clear(&mut self, mark: u8) {
+        self.0 &= !mark;
     }
 }
 
@@ -111,8 +118,12 @@ impl<B> Clone for State<B> {
 /// message): every clone replays it from here, and nothing is locked to read
 /// it. No clone can take anything another needs, so none is ever refused
 /// (an earlier attempt's stream, still pulled after a later one was sent,
-/// reads what it would have sent), and release only ends the retries: the
-/// bytes go with the last clone.
+/// reads what it would have sent), and release only ends the retries.
+///
+/// The layer's memory counts the body while a retry may still replay it or
+/// an attempt sent (a drained one too) has yet to read it all: it gets it
+/// back once the call is released and no such attempt is left, or when the
+/// last clone goes.
 struct Whole {
     chunks: Kept,
     trailers: Option<HeaderMap>,
@@ -123,10 +134,13 @@ struct Whole {
     exact: bool,
     /// No retry can follow: a clone can no longer be sent.
     released: AtomicBool,
-    /// The layer's memory for the copies of its calls in flight, and how
-    /// much of it this body holds until it is released.
+    /// Attempts sent that have yet to read the whole body.
+    readers: AtomicUsize,
+    /// The layer's memory for the copies of its calls in flight, how much of
+    /// it this body holds, and whether it got that back.
     memory: Option<Arc<dyn Account>>,
     reserved: usize,
+    given_back: AtomicBool,
     /// The instance a balancer below reported for the current attempt.
     picked: Mutex<Option<HeaderValue>>,
 }
@@ -139,14 +153,46 @@ impl Whole {
         Ok(())
     }
 
-    /// No retry can follow: the layer's memory gets back what the copy held.
+    /// No retry can follow.
     fn release(&self) {
-        if !self.released.swap(true, Ordering::Relaxed)
-            && self.reserved > 0
+        self.released.store(true, Ordering::SeqCst);
+        self.give_back_if_unneeded();
+    }
+
+    /// An attempt is sent: until it has read the whole body, the body is
+    /// still needed.
+    fn reading(&self) {
+        self.readers.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// An attempt sent has read the whole body, or is gone.
+    fn read(&self) {
+        self.readers.fetch_sub(1, Ordering::SeqCst);
+        self.give_back_if_unneeded();
+    }
+
+    // NOTE: `released` and `readers` are each written before the other is
+    // read, all sequentially consistent: of a release and the last reader
+    // finishing at once, at least one sees the other's write.
+    fn give_back_if_unneeded(&self) {
+        if self.released.load(Ordering::SeqCst) && self.readers.load(Ordering::SeqCst) == 0 {
+            self.give_back();
+        }
+    }
+
+    /// The layer's memory gets back what the body held, once.
+    fn give_back(&self) {
+        if self.reserved > 0
+            && !self.given_back.swap(true, Ordering::SeqCst)
             && let Some(memory) = &self.memory
         {
             memory.memory().release(self.reserved);
         }
+    }
+
+    /// Whether a clone at `pos` has read the whole body.
+    fn read_by(&self, pos: usize, trailers_sent: bool) -> bool {
+        pos >= self.chunks.len() && (self.trailers.is_none() || trailers_sent)
     }
 
     /// The frame a clone at `pos` reads next.
@@ -169,7 +215,7 @@ impl Whole {
 
 impl Drop for Whole {
     fn drop(&mut self) {
-        self.release();
+        self.give_back();
     }
 }
 
@@ -668,14 +714,18 @@ where
     B::Error: Into<BoxError>,
 {
     /// Wraps `body` as [`sharing`](Self::sharing) does, for a call that may
-    /// be retried, once what the caller's body has ready now is read
-    /// ([`AtOnce`]). A body read to its end within the limits — a unary
-    /// call's one message — is kept [`Whole`]: its clones replay it without a
-    /// lock. Any other goes on as `sharing` makes it, the first attempt
-    /// sending what was read before it reads on.
+    /// be retried and whose first attempt is sent now, once what the
+    /// caller's body has ready now is read ([`AtOnce`]). A body read to its
+    /// end within the limits — a unary call's one message — is kept
+    /// [`Whole`]: its clones replay it without a lock. Any other goes on as
+    /// `sharing` makes it, the first attempt sending what was read before it
+    /// reads on.
+    ///
+    /// Outside a tokio runtime nothing is read (a body may need one to be
+    /// polled: a timer, a file), and the body is made as `sharing` makes it.
     pub(crate) fn at_once(mut body: B, limit: usize, memory: Option<Arc<dyn Account>>) -> Self {
         let hint = body.size_hint();
-        if hint.lower() > limit as u64 {
+        if hint.lower() > limit as u64 || tokio::runtime::Handle::try_current().is_err() {
             return Self::sharing(body, limit, memory);
         }
         let exact = hint.exact().is_some();
@@ -712,14 +762,17 @@ where
                 trailers: read.trailers,
                 exact,
                 released: AtomicBool::new(false),
+                // The first attempt's, sent now.
+                readers: AtomicUsize::new(1),
                 memory,
                 reserved,
+                given_back: AtomicBool::new(false),
                 picked: Mutex::new(None),
             })),
             pos: 0,
             trailers_sent: false,
             epoch: 0,
-            marks: Marks::default(),
+            marks: Marks(Marks::READING),
             waited: false,
             attempt: 0,
         }
@@ -811,6 +864,10 @@ impl<B> ReplayBody<B> {
         let shared = match &self.state {
             State::Streamed(shared) => shared,
             State::Whole(whole) => {
+                if !self.marks.has(Marks::READING) && !whole.read_by(self.pos, self.trailers_sent) {
+                    self.marks.set(Marks::READING);
+                    whole.reading();
+                }
                 if self.marks.has(Marks::LAST) {
                     whole.release();
                 }
@@ -1298,6 +1355,10 @@ where
             State::Streamed(shared) => shared,
             State::Whole(whole) => {
                 let frame = whole.frame(&mut this.pos, &mut this.trailers_sent);
+                if this.marks.has(Marks::READING) && whole.read_by(this.pos, this.trailers_sent) {
+                    this.marks.clear(Marks::READING);
+                    whole.read();
+                }
                 return Poll::Ready(frame.map(Ok));
             }
         };
@@ -1521,7 +1582,7 @@ impl<B> Drop for ReplayBody<B> {
         // no lock to take (the common case: a unary body, read at once).
         // A hedged call's attempt, or a retried call's that may be drained,
         // also says it is gone: it may be the last the copy is kept for.
-        if self.waited || self.attempt != 0 || self.marks.has(Marks::DRAINABLE) {
+        if self.waited || self.attempt != 0 || self.marks.has(Marks::DRAINABLE | Marks::READING) {
             self.gone();
         }
     }
@@ -1532,8 +1593,15 @@ impl<B> ReplayBody<B> {
     #[cold]
     fn gone(&mut self) {
         let drainable = self.marks.has(Marks::DRAINABLE);
-        let Ok(mut shared) = self.state() else {
-            return;
+        let mut shared = match self.state() {
+            Ok(shared) => shared,
+            Err(whole) => {
+                // An attempt sent that had yet to read it all.
+                if self.marks.has(Marks::READING) {
+                    whole.read();
+                }
+                return;
+            }
         };
         if self.attempt != 0 {
             shared.gone(self.attempt);

@@ -289,8 +289,14 @@ where
             let memory = Some(Arc::clone(&self.shared) as Arc<dyn Account>);
             if policy.hedge.is_some() {
                 ReplayBody::hedged(body, policy.replay_limit, memory)
-            } else {
+            } else if self.ready {
+                // The first attempt is sent now: what its body has ready is
+                // read, and counted in the layer's memory, from now on.
                 ReplayBody::at_once(body, policy.replay_limit, memory)
+            } else {
+                // It waits for the service first: its body is read, and
+                // counted, only once it is sent.
+                ReplayBody::sharing(body, policy.replay_limit, memory)
             }
         } else {
             ReplayBody::unreplayable(body)

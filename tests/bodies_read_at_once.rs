@@ -1,0 +1,191 @@
+//! A retried call whose body is all there when it is made: the body is read
+//! before the first attempt and kept whole, and still counted in the layer's
+//! replay memory only while it may be replayed or an attempt has yet to read
+//! it, and never read where it could not be polled.
+
+mod support;
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use support::*;
+use tonic::Code;
+use tonic::body::Body;
+use tonic_retry::{RetryLayer, RetryPolicy};
+use tower::{Layer, Service, ServiceExt};
+use tower_test::mock;
+
+/// A unary request whose body is `len` bytes in one chunk.
+fn request_of(len: usize) -> Request<Body> {
+    let mut req = request();
+    *req.body_mut() = Body::new(http_body_util::Full::new(Bytes::from(vec![7u8; len])));
+    req
+}
+
+/// Whether the next attempt of a call that just failed arrives.
+async fn retried(handle: &mut Handle) -> bool {
+    tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        .await
+        .is_ok()
+}
+
+/// §7b: the layer-wide limit is across the calls in flight. A call still
+/// waiting for its service to be ready has sent nothing and read nothing,
+/// and holds no replay memory: a call that was sent and fails meanwhile
+/// finds room, and is retried.
+#[tokio::test(start_paused = true)]
+async fn a_call_waiting_for_its_service_holds_no_replay_memory() {
+    // Room for one 8-byte copy, not two.
+    let layer = RetryLayer::new(RetryPolicy::default(), budget()).with_replay_memory(12);
+    let (inner_a, mut handle_a) = mock::pair::<Request<Body>, Response<Body>>();
+    let (inner_b, mut handle_b) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc_a: Svc = layer.layer(inner_a);
+    let mut svc_b: Svc = layer.layer(inner_b);
+
+    // Service A is not ready (a full buffer, a concurrency limit, a
+    // reconnecting channel): its call waits inside the layer, unsent.
+    handle_a.allow(0);
+    let queued = spawn_call(&mut svc_a, request_of(8)).await;
+    settle().await;
+    let held_by_queued = layer.replay_memory_in_use();
+
+    // A call through B is sent, its body read, and fails once.
+    let call = spawn_call(&mut svc_b, request_of(8)).await;
+    let (r, send, _) = next(&mut handle_b).await;
+    assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 8);
+    send.send_response(status(Code::Unavailable));
+    let was_retried = retried(&mut handle_b).await;
+    let too_large = layer.metrics().body_too_large();
+    drop((call, queued, handle_a));
+    assert_eq!(
+        (held_by_queued, was_retried, too_large),
+        (0, true, 0),
+        "(replay memory held by a call not yet sent, the sent call retried, body_too_large)"
+    );
+}
+
+/// §7b / §7a: the copy is counted while a clone still has to read it. The
+/// last attempt is sent, but its transport has not read its body yet (its
+/// send window full): the copy's bytes are still held for it, and counted,
+/// so the layer admits no second copy past its limit.
+#[tokio::test(start_paused = true)]
+async fn the_copy_is_counted_until_the_last_attempt_has_read_it() {
+    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0).unwrap();
+    let layer = RetryLayer::new(policy, budget()).with_replay_memory(12);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc: Svc = layer.layer(inner);
+
+    let first = spawn_call(&mut svc, request_of(8)).await;
+    let (r1, send1, _) = next(&mut handle).await;
+    assert_eq!(r1.into_body().collect().await.unwrap().to_bytes().len(), 8);
+    send1.send_response(status(Code::Unavailable));
+    // The last attempt is sent; its body not read yet.
+    let (r2, _slow, _) = next(&mut handle).await;
+    let held = layer.replay_memory_in_use();
+
+    // Another call, failing once: its copy and the one still held for the
+    // first call's last attempt would be 16 bytes, past the layer's 12.
+    let other = spawn_call(&mut svc, request_of(8)).await;
+    let (r, send, _) = next(&mut handle).await;
+    assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 8);
+    send.send_response(status(Code::Unavailable));
+    let was_retried = retried(&mut handle).await;
+    // The first call's last attempt reads its body only now: all of it.
+    assert_eq!(r2.into_body().collect().await.unwrap().to_bytes().len(), 8);
+    drop((first, other));
+    assert_eq!(
+        (held, was_retried),
+        (8, false),
+        "(replay memory counted for the last attempt's unread copy, a second copy admitted past the limit)"
+    );
+}
+
+/// §3a + §7b: an attempt cut by its own timeout is drained, its transport
+/// yet to send its body. Once the call ends (its retry answered), the copy
+/// is still held for the drained attempt, and stays counted while it has
+/// yet to read it.
+#[tokio::test(start_paused = true)]
+async fn a_copy_a_drained_attempt_has_yet_to_send_stays_counted() {
+    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(100 * MS);
+    let (mut svc, mut handle, layer) = setup(policy, budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
+    // Attempt 1's transport has yet to read its body; its server is slow.
+    let (r1, _slow, _) = next(&mut handle).await;
+    // Cut at 100 ms, drained; the retry reads its body and answers OK.
+    let (r2, retry, _) = next(&mut handle).await;
+    let second = r2.into_body().collect().await.unwrap().to_bytes();
+    retry.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 1, "the cut attempt drains");
+    let held = layer.replay_memory_in_use();
+    // The drained attempt's transport gets to its body: it is all there.
+    let first = r1.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(first, second);
+    assert_eq!(
+        held,
+        second.len(),
+        "replay memory counted for the copy the drained attempt has yet to send"
+    );
+}
+
+/// A body that paces itself with tokio's timer: its first poll makes a
+/// `Sleep` (which needs a tokio runtime).
+struct Paced {
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    done: bool,
+}
+
+impl http_body::Body for Paced {
+    type Data = Bytes;
+    type Error = tonic::Status;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(Duration::ZERO)));
+        ready!(sleep.as_mut().poll(cx));
+        self.done = true;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"hello")))))
+    }
+}
+
+/// §15: a call can be made on one thread and spawned on a runtime (e.g.
+/// `handle.spawn(svc.call(req))` from a thread outside the runtime): `call`
+/// reads nothing of the caller's body there, where a body whose poll needs
+/// the runtime would panic.
+#[test]
+fn a_call_made_outside_a_runtime_is_sent_on_it() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (mut svc, mut handle, _layer) = setup(RetryPolicy::default(), budget());
+    let mut req = request();
+    *req.body_mut() = Body::new(Paced {
+        sleep: None,
+        done: false,
+    });
+    let ready = svc.ready().now_or_never().unwrap().unwrap();
+    let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ready.call(req)));
+    let future = made.expect("RetryService::call panicked outside a runtime");
+    rt.block_on(async move {
+        let call = tokio::spawn(future);
+        let (r, send, _) = next(&mut handle).await;
+        assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "hello");
+        send.send_response(ok());
+        assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    });
+}
