@@ -23,6 +23,18 @@
 //! then on only that attempt's clone may read: an earlier attempt's clone that
 //! its HTTP stream still pulls fails instead of taking chunks the live attempt
 //! needs.
+//!
+//! A retried call whose first attempt is sent at once (its service was ready)
+//! has what its body holds ready read first, without waiting: a unary call's
+//! one message, which tonic's encoder gives at once, is then all there. A body
+//! read to its end so, within the limits, is kept whole: every clone replays
+//! it from one immutable copy, with no lock, and none is ever refused (none
+//! can take what another needs). The layer's memory counts it while a retry
+//! may still replay it or an attempt sent has yet to read it all. A body not
+//! all there goes on as above, its first attempt sending what was read before
+//! it reads on. (The one wire difference: an HTTP/2 client sees the request's
+//! end with its last chunk, and sends it in the same frame rather than in an
+//! empty one after it.)
 
 use std::collections::VecDeque;
 use std::fmt;
