@@ -515,6 +515,9 @@ pin_project! {
         #[pin]
         state: AttemptState<S, B, Bu, M>,
         into_box: fn(S::Error) -> BoxError,
+        // The timer for `cut`, made the first time the attempt has to wait:
+        // none is made for an attempt answered at once, nor where the call
+        // was made (which need not be on a runtime).
         #[pin]
         timer: Option<Sleep>,
         cut: Option<(Instant, Cut)>,
@@ -640,7 +643,7 @@ where
         Self {
             state,
             into_box,
-            timer: cut.map(|(at, _)| timer_at(at)),
+            timer: None,
             cut,
             deadline,
             traced,
@@ -697,8 +700,12 @@ where
     }
 }
 
-/// Whether the timer, if any, has fired.
-fn fired(timer: Pin<&mut Option<Sleep>>, cx: &mut Context<'_>) -> bool {
+/// Whether the time `at` has come: the timer for it is made the first time
+/// this is asked.
+fn fired(mut timer: Pin<&mut Option<Sleep>>, at: Instant, cx: &mut Context<'_>) -> bool {
+    if timer.is_none() {
+        timer.set(Some(timer_at(at)));
+    }
     timer
         .as_pin_mut()
         .is_some_and(|timer| timer.poll(cx).is_ready())
@@ -755,7 +762,7 @@ where
                         }
                         Poll::Ready(Err(error)) => Failure::NotReady((this.into_box)(error)),
                         Poll::Pending => match *this.cut {
-                            Some((_, why)) if fired(this.timer.as_mut(), cx) => {
+                            Some((at, why)) if fired(this.timer.as_mut(), at, cx) => {
                                 Failure::Cut { why, sent: false }
                             }
                             _ => return Poll::Pending,
@@ -792,10 +799,10 @@ where
             }
             return Poll::Ready(outcome);
         }
-        let Some((_, why)) = *this.cut else {
+        let Some((at, why)) = *this.cut else {
             return Poll::Pending;
         };
-        if !fired(this.timer.as_mut(), cx) {
+        if !fired(this.timer.as_mut(), at, cx) {
             return Poll::Pending;
         }
         // Cut by its own timeout, the attempt still has the deadline the

@@ -24,7 +24,8 @@
 //! its HTTP stream still pulls fails instead of taking chunks the live attempt
 //! needs.
 //!
-//! A retried call whose first attempt is sent at once (its service was ready)
+//! A retried call whose first attempt is sent at once (its service was
+//! ready, and no limit of zero cuts it before it goes, on a tokio runtime)
 //! has what its body holds ready read first, without waiting: a unary call's
 //! one message, which tonic's encoder gives at once, is then all there. A body
 //! read to its end so, within the limits, is kept whole: every clone replays

@@ -1,6 +1,7 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use crate::budget::Budget;
 use bytes::Bytes;
@@ -289,9 +290,13 @@ where
             let memory = Some(Arc::clone(&self.shared) as Arc<dyn Account>);
             if policy.hedge.is_some() {
                 ReplayBody::hedged(body, policy.replay_limit, memory)
-            } else if self.ready {
-                // The first attempt is sent now: what its body has ready is
-                // read, and counted in the layer's memory, from now on.
+            } else if self.ready
+                && timeout != Some(Duration::ZERO)
+                && policy.attempt_timeout != Some(Duration::ZERO)
+            {
+                // The first attempt is sent now (its service is ready, and
+                // no limit cuts it before it goes): what its body has ready
+                // is read, and counted in the layer's memory, from now on.
                 ReplayBody::at_once(body, policy.replay_limit, memory)
             } else {
                 // It waits for the service first: its body is read, and

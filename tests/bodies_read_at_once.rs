@@ -189,3 +189,68 @@ fn a_call_made_outside_a_runtime_is_sent_on_it() {
         assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
     });
 }
+
+/// §7b: a call whose first attempt is cut before it is sent (a per-attempt
+/// timeout of zero for its method) has sent nothing, and holds no replay
+/// memory through its backoffs: a call sent meanwhile, failing once, finds
+/// room and is retried.
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_first_attempt_was_cut_unsent_holds_no_replay_memory_in_its_backoff() {
+    let slow = RetryPolicy::new(3, 1000 * MS, 1000 * MS, 0.0)
+        .unwrap()
+        .with_attempt_timeout(Duration::ZERO);
+    let policies = tonic_retry::MethodPolicies::with_default(RetryPolicy::default())
+        .with_method("library.v1.Library", "Slow", slow)
+        .unwrap();
+    // Room for one 8-byte copy, not two.
+    let layer = RetryLayer::new(policies, budget()).with_replay_memory(12);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc: Svc = layer.layer(inner);
+
+    // A: sent nothing; in its first backoff.
+    let mut a_req = request_of(8);
+    *a_req.uri_mut() = "http://library/library.v1.Library/Slow".parse().unwrap();
+    let a = spawn_call(&mut svc, a_req).await;
+    settle().await;
+    assert!(!a.is_finished(), "A waits out its backoff");
+    let held_by_a = layer.replay_memory_in_use();
+
+    // B is sent, its body read, and fails once.
+    let b = spawn_call(&mut svc, request_of(8)).await;
+    let (r, send, _) = next(&mut handle).await;
+    assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 8);
+    send.send_response(status(Code::Unavailable));
+    let b_retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
+        .await
+        .is_ok();
+    let too_large = layer.metrics().body_too_large();
+    a.abort();
+    b.abort();
+    assert_eq!(
+        (held_by_a, b_retried, too_large),
+        (0, true, 0),
+        "(replay memory held by a call that sent nothing, the sent call retried, body_too_large)"
+    );
+}
+
+/// §15, with a deadline: the attempt's timer is made when the call is first
+/// polled, on the runtime, not where the call was made.
+#[test]
+fn a_call_with_a_deadline_made_outside_a_runtime_is_sent_on_it() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (mut svc, mut handle, _layer) = setup(RetryPolicy::default(), budget());
+    let req = with_timeout(request(), "10S");
+    let ready = svc.ready().now_or_never().unwrap().unwrap();
+    let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ready.call(req)));
+    let future = made.expect("RetryService::call panicked outside a runtime");
+    rt.block_on(async move {
+        let call = tokio::spawn(future);
+        let (r, send, _) = next(&mut handle).await;
+        assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 10);
+        send.send_response(ok());
+        assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+    });
+}
