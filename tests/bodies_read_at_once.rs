@@ -27,11 +27,20 @@ fn request_of(len: usize) -> Request<Body> {
     req
 }
 
-/// Whether the next attempt of a call that just failed arrives.
-async fn retried(handle: &mut Handle) -> bool {
-    tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+/// A call of 8 bytes through `svc`, sent, its body read, failing once: the
+/// call, and whether its retry was sent.
+async fn a_call_failing_once(
+    svc: &mut Svc,
+    handle: &mut Handle,
+) -> (tokio::task::JoinHandle<Outcome>, bool) {
+    let call = spawn_call(svc, request_of(8)).await;
+    let (r, send, _) = next(handle).await;
+    assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 8);
+    send.send_response(status(Code::Unavailable));
+    let retried = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
         .await
-        .is_ok()
+        .is_ok();
+    (call, retried)
 }
 
 /// §7b: the layer-wide limit is across the calls in flight. A call still
@@ -55,11 +64,7 @@ async fn a_call_waiting_for_its_service_holds_no_replay_memory() {
     let held_by_queued = layer.replay_memory_in_use();
 
     // A call through B is sent, its body read, and fails once.
-    let call = spawn_call(&mut svc_b, request_of(8)).await;
-    let (r, send, _) = next(&mut handle_b).await;
-    assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 8);
-    send.send_response(status(Code::Unavailable));
-    let was_retried = retried(&mut handle_b).await;
+    let (call, was_retried) = a_call_failing_once(&mut svc_b, &mut handle_b).await;
     let too_large = layer.metrics().body_too_large();
     drop((call, queued, handle_a));
     assert_eq!(
@@ -90,11 +95,7 @@ async fn the_copy_is_counted_until_the_last_attempt_has_read_it() {
 
     // Another call, failing once: its copy and the one still held for the
     // first call's last attempt would be 16 bytes, past the layer's 12.
-    let other = spawn_call(&mut svc, request_of(8)).await;
-    let (r, send, _) = next(&mut handle).await;
-    assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 8);
-    send.send_response(status(Code::Unavailable));
-    let was_retried = retried(&mut handle).await;
+    let (other, was_retried) = a_call_failing_once(&mut svc, &mut handle).await;
     // The first call's last attempt reads its body only now: all of it.
     assert_eq!(r2.into_body().collect().await.unwrap().to_bytes().len(), 8);
     drop((first, other));
@@ -216,13 +217,7 @@ async fn a_call_whose_first_attempt_was_cut_unsent_holds_no_replay_memory_in_its
     let held_by_a = layer.replay_memory_in_use();
 
     // B is sent, its body read, and fails once.
-    let b = spawn_call(&mut svc, request_of(8)).await;
-    let (r, send, _) = next(&mut handle).await;
-    assert_eq!(r.into_body().collect().await.unwrap().to_bytes().len(), 8);
-    send.send_response(status(Code::Unavailable));
-    let b_retried = tokio::time::timeout(Duration::from_millis(500), handle.next_request())
-        .await
-        .is_ok();
+    let (b, b_retried) = a_call_failing_once(&mut svc, &mut handle).await;
     let too_large = layer.metrics().body_too_large();
     a.abort();
     b.abort();
