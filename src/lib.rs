@@ -40,7 +40,8 @@
 //!   MiB across the layer's calls in flight) for retries. A bigger body is
 //!   sent whole and not retried; streaming calls
 //!   never wait for their body to end, and the copy is released as soon as no
-//!   retry is possible.
+//!   retry is possible. A unary call's body, all there when the call is made,
+//!   is read whole before the first attempt and replayed without a lock.
 //!
 //! # What is retried
 //!
