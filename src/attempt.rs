@@ -69,6 +69,7 @@ impl Limits {
 
     /// The cut for an attempt starting now. The clock is read only when a
     /// limit applies.
+    #[inline]
     fn cut_from_now(&self) -> Option<(Instant, Cut)> {
         if self.deadline.is_none() && self.attempt_timeout.is_none() {
             return None;

@@ -260,6 +260,7 @@ impl AtOnce {
     /// Reads what `body` has ready now, without waiting: until it ends, fails
     /// or answers `Pending`, has given [`AT_ONCE_FRAMES`] frames, or more
     /// than `limit` bytes.
+    #[inline(always)]
     fn read<B>(body: &mut B, limit: usize) -> Self
     where
         B: Body<Data = Bytes> + Unpin,
