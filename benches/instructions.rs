@@ -2,8 +2,10 @@
 //! virtualised machine wall-clock timings move by ±15 % from run to run, while
 //! callgrind's instruction counts repeat exactly. It runs `N` calls (default
 //! 10,000) of one stack, chosen by `STACK`: `a` (no layer), `b` (tower's
-//! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`, `c-per-method`
-//! (per-method policies: 8 services, 33 methods); the same stacks and
+//! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`, `c-no-report`
+//! (no idempotency key, and no instance ids learnt, so no balancer's report
+//! slot on the attempt), `c-per-method` (per-method policies: 8 services, 33
+//! methods); the same stacks and
 //! request as `--bench overhead`. (`c` recording gRPC's standard metrics is
 //! `--bench instructions_otel`: a metered layer in this binary would be a
 //! second copy of the call path, and change what the compiler inlines in
@@ -34,9 +36,15 @@ fn main() {
                 let policy = RetryPolicy::default().with_idempotency_key(false);
                 timed(layered(inner_ok(), policy), n, payload).await
             }
+            "c-no-report" => {
+                let policy = RetryPolicy::default()
+                    .with_idempotency_key(false)
+                    .with_instance_header(None);
+                timed(layered(inner_ok(), policy), n, payload).await
+            }
             "c-per-method" => timed(layered_per_method(inner_ok()), n, payload).await,
             other => panic!(
-                "STACK must be a, b, c, c-no-key or c-per-method (c-otel is --bench instructions_otel), not {other:?}"
+                "STACK must be a, b, c, c-no-key, c-no-report or c-per-method (c-otel is --bench instructions_otel), not {other:?}"
             ),
         }
     });
