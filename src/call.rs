@@ -338,7 +338,8 @@ impl CallState {
             .map(|d| d.saturating_duration_since(Instant::now()))
     }
 
-    /// Classify, then attempts, then deadline, then budget.
+    /// Classify, then attempts, then deadline, then budget: what follows an
+    /// attempt that did not succeed.
     fn decide<Bu: Budget>(
         &mut self,
         shared: &Shared<Bu>,
@@ -367,13 +368,8 @@ impl CallState {
                 delay: Duration::ZERO,
             };
         }
-        if verdict.is_success() {
-            // A committed response is credited when its trailers say OK.
-            if verdict != Verdict::Committed {
-                Budget::deposit(budget);
-            }
-            return Decision::Done("succeeded");
-        }
+        // NOTE: a success never gets here (see `after`).
+        debug_assert!(!verdict.is_success(), "a success is decided by `after`");
         // A method that never retries charges gRPC's throttle nothing, as in
         // grpc-go and grpc-java (a method without a retry policy); nor does
         // an attempt that was never sent, which no server failed.
@@ -729,19 +725,30 @@ where
             Verdict::Retryable { .. } => instance(result, header, picked.as_ref()),
             _ => None,
         };
-        let outcome = Outcome {
-            verdict,
-            instance: failed_instance,
-            // Asked only where a retry is in question: it takes the body's lock.
-            replay: match verdict {
-                Verdict::Retryable { .. } => req.body().whole(),
-                _ => Ok(()),
-            },
-            remaining,
-            out_of_time,
-            sent,
+        // NOTE: a success is decided here, not in `decide`, whose checks
+        // before it concern only failures (an answer is never out of time):
+        // every call takes this path, and `decide` is large.
+        let decision = if verdict.is_success() {
+            // A committed response is credited when its trailers say OK.
+            if verdict != Verdict::Committed {
+                Budget::deposit(budget);
+            }
+            Decision::Done("succeeded")
+        } else {
+            let outcome = Outcome {
+                verdict,
+                instance: failed_instance,
+                // Asked only where a retry is in question: it takes the body's lock.
+                replay: match verdict {
+                    Verdict::Retryable { .. } => req.body().whole(),
+                    _ => Ok(()),
+                },
+                remaining,
+                out_of_time,
+                sent,
+            };
+            state.decide(shared, policy, outcome)
         };
-        let decision = state.decide(shared, policy, outcome);
         // A committed response moves the budget later, with its trailers.
         if verdict != Verdict::Committed {
             self.shared.budget_moved();
