@@ -910,19 +910,24 @@ fn outcome<RB, M: Metrics>(
     let expired = |cut: Option<(Instant, Cut)>| cut.filter(|(at, _)| Instant::now() >= *at);
     match result {
         Ok(response) => {
+            // NOTE: an attempt has a cut whenever the call has a deadline; a
+            // call with neither looks up nothing here.
+            let status = match cut {
+                Some(_) => response.headers().get(GRPC_STATUS),
+                None => None,
+            };
             // A tonic server answers CANCELLED when the `grpc-timeout` we sent
             // runs out; the caller cancelled nothing, the attempt's time ran
             // out. (Only an attempt with a limit sent a `grpc-timeout`.)
-            if cut.is_some()
-                && response
-                    .headers()
-                    .get(GRPC_STATUS)
-                    .is_some_and(|v| v.as_bytes() == b"1")
+            if status.is_some_and(|v| v.as_bytes() == b"1")
                 && let Some((_, why)) = expired(cut)
             {
                 return Err(Failure::Cut { why, sent: true });
             }
-            Ok(response.map(|body| ResponseBody::new(body, deadline)))
+            // A Trailers-Only answer (its status in its headers) arrived in
+            // time: its body still ends at the deadline, but keeps that status.
+            let status_in_headers = status.is_some();
+            Ok(response.map(|body| ResponseBody::new(body, deadline, status_in_headers)))
         }
         Err(error) => {
             // A Channel enforcing the `grpc-timeout` we sent reports a

@@ -33,7 +33,9 @@ pin_project! {
     /// and the inner body is dropped, which cancels its HTTP/2 stream. It ends
     /// there even if the rest of it had already arrived and waits unread: the
     /// layer cannot tell when a buffered frame arrived, and a body that is
-    /// always ready must not outlive its deadline.
+    /// always ready must not outlive its deadline. The body of a Trailers-Only
+    /// response (its status in its headers, which arrived in time) ends there
+    /// too, but with no trailers: the status the server sent stands.
     ///
     /// The server got the deadline as `grpc-timeout`, and a server whose
     /// timer runs out mid-stream ends it with `CANCELLED` or resets it. Once
@@ -62,6 +64,9 @@ pin_project! {
         timer: Option<Pin<Box<Sleep>>>,
         // Credited if the trailers end the call with `OK`.
         on_ok: Option<OnOk>,
+        // The response is Trailers-Only: its status is in its headers, and a
+        // deadline that passes while its body is read adds none.
+        status_in_headers: bool,
         // The metrics of the attempt (and call) this body ends.
         traced: AttemptTrace<M>,
     }
@@ -82,12 +87,15 @@ impl fmt::Debug for OnOk {
 }
 
 impl<B, M: Metrics> ResponseBody<B, M> {
-    pub(crate) fn new(inner: B, deadline: Option<Instant>) -> Self {
+    /// The body of a response whose status is in its headers if
+    /// `status_in_headers`, read under the call's `deadline`.
+    pub(crate) fn new(inner: B, deadline: Option<Instant>, status_in_headers: bool) -> Self {
         Self {
             inner: Some(inner),
             deadline,
             timer: None,
             on_ok: None,
+            status_in_headers,
             traced: AttemptTrace::<M>::NONE,
         }
     }
@@ -115,6 +123,7 @@ impl<B, M: Metrics> ResponseBody<B, M> {
             deadline: None,
             timer: None,
             on_ok: None,
+            status_in_headers: true,
             traced: AttemptTrace::<M>::NONE,
         }
     }
@@ -214,6 +223,9 @@ impl<B: Body + 'static, M: Metrics> Body for ResponseBody<B, M> {
                 *this.timer = None;
                 *this.deadline = None;
                 *this.on_ok = None;
+                if *this.status_in_headers {
+                    return Poll::Ready(None);
+                }
                 this.traced.end(Code::DeadlineExceeded);
                 return Poll::Ready(Some(Ok(Frame::trailers(timed_out_trailers(
                     DEADLINE_PASSED,
@@ -327,7 +339,7 @@ mod tests {
             Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"abc"))),
             Ok(Frame::trailers(trailers)),
         ]));
-        let collected = ResponseBody::<_, NoMetrics>::new(inner, None)
+        let collected = ResponseBody::<_, NoMetrics>::new(inner, None, false)
             .collect()
             .await
             .unwrap();
@@ -354,7 +366,11 @@ mod tests {
         let (tx, inner) = channel_body();
         let start = Instant::now();
         let deadline = start + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(
+            inner,
+            Some(deadline),
+            false
+        ));
         tx.send(Ok(Frame::data(Bytes::from_static(b"first"))))
             .unwrap();
         let frame = body.frame().await.unwrap().unwrap();
@@ -380,7 +396,11 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"x")))
             })));
         let deadline = Instant::now() + Duration::from_millis(10);
-        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(
+            inner,
+            Some(deadline),
+            false
+        ));
         let mut frames = 0;
         loop {
             let frame = body.frame().await.unwrap().unwrap();
@@ -400,7 +420,11 @@ mod tests {
     async fn a_body_that_ends_in_time_is_untouched_and_its_timer_goes() {
         let (tx, inner) = channel_body();
         let deadline = Instant::now() + Duration::from_millis(300);
-        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(inner, Some(deadline)));
+        let mut body = std::pin::pin!(ResponseBody::<_, NoMetrics>::new(
+            inner,
+            Some(deadline),
+            false
+        ));
         let reader = async {
             let mut got = Vec::new();
             while let Some(frame) = body.frame().await {
