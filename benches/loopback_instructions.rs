@@ -17,7 +17,9 @@
 //!   cloned: what a never-repeating key costs on the wire and at the server,
 //!   with no layer and nothing generated;
 //! - `layer`: the client through `RetryLayer` with its defaults;
-//! - `layer-no-key`: the same, key generation off.
+//! - `layer-no-key`: the same, key generation off;
+//! - `layer-no-report`: the same, and no instance ids learnt, so no
+//!   balancer's report slot (`PickedInstance`) on the attempt.
 //!
 //! The cost of one call is the difference between two runs, which cancels
 //! start-up and the connection's set-up:
@@ -103,7 +105,16 @@ fn main() {
                 let svc = ServiceBuilder::new().layer(layer(policy)).service(channel);
                 calls(LibraryClient::new(svc), n, None).await
             }
-            other => panic!("STACK must be bare, bare-key, layer or layer-no-key, not {other:?}"),
+            "layer-no-report" => {
+                let policy = RetryPolicy::default()
+                    .with_idempotency_key(false)
+                    .with_instance_header(None);
+                let svc = ServiceBuilder::new().layer(layer(policy)).service(channel);
+                calls(LibraryClient::new(svc), n, None).await
+            }
+            other => panic!(
+                "STACK must be bare, bare-key, layer, layer-no-key or layer-no-report, not {other:?}"
+            ),
         }
     });
 }
