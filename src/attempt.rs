@@ -910,8 +910,8 @@ fn outcome<RB, M: Metrics>(
     let expired = |cut: Option<(Instant, Cut)>| cut.filter(|(at, _)| Instant::now() >= *at);
     match result {
         Ok(response) => {
-            // NOTE: an attempt has a cut whenever the call has a deadline; a
-            // call with neither looks up nothing here.
+            // NOTE: an attempt has a cut whenever the call has a deadline or
+            // an attempt timeout; a call with neither looks up nothing here.
             let status = match cut {
                 Some(_) => response.headers().get(GRPC_STATUS),
                 None => None,

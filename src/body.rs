@@ -65,7 +65,8 @@ pin_project! {
         // Credited if the trailers end the call with `OK`.
         on_ok: Option<OnOk>,
         // The response is Trailers-Only: its status is in its headers, and a
-        // deadline that passes while its body is read adds none.
+        // deadline that passes while its body is read adds none (see
+        // `deadline_trailers`).
         status_in_headers: bool,
         // The metrics of the attempt (and call) this body ends.
         traced: AttemptTrace<M>,
@@ -155,6 +156,13 @@ fn timed_out_trailers(message: &'static str) -> HeaderMap {
 }
 
 const DEADLINE_PASSED: &str = "call deadline exceeded while receiving the response";
+
+/// The trailers a body ends with once the call's deadline has passed:
+/// `DEADLINE_EXCEEDED`, or none for a Trailers-Only response, whose status
+/// (in its headers, which arrived in time) stands.
+fn deadline_trailers(status_in_headers: bool) -> Option<HeaderMap> {
+    (!status_in_headers).then(|| timed_out_trailers(DEADLINE_PASSED))
+}
 /// The code trailers end the call with, as tonic's client reads it (`None`
 /// without `grpc-status`), and whether they carry status details. One pass:
 /// trailers hold a handful of entries, where a lookup would hash each name.
@@ -223,13 +231,11 @@ impl<B: Body + 'static, M: Metrics> Body for ResponseBody<B, M> {
                 *this.timer = None;
                 *this.deadline = None;
                 *this.on_ok = None;
-                if *this.status_in_headers {
+                let Some(trailers) = deadline_trailers(*this.status_in_headers) else {
                     return Poll::Ready(None);
-                }
+                };
                 this.traced.end(Code::DeadlineExceeded);
-                return Poll::Ready(Some(Ok(Frame::trailers(timed_out_trailers(
-                    DEADLINE_PASSED,
-                )))));
+                return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
             }
         }
         let end = match inner.poll_frame(cx) {
@@ -260,9 +266,11 @@ impl<B: Body + 'static, M: Metrics> Body for ResponseBody<B, M> {
         let on_ok = this.on_ok.take();
         // The server ended the stream (CANCELLED, or a reset) once the
         // deadline had passed: its timer for the `grpc-timeout` we sent.
+        let status_in_headers = *this.status_in_headers;
         let timed_out = || {
             let at = deadline?;
-            (Instant::now() >= at).then(|| timed_out_trailers(DEADLINE_PASSED))
+            (Instant::now() >= at).then_some(())?;
+            deadline_trailers(status_in_headers)
         };
         let frame = match end {
             None => {

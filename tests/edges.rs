@@ -176,53 +176,47 @@ async fn a_body_is_not_cut_before_the_deadline() {
     );
 }
 
-/// A Trailers-Only answer (its status in its headers) is whole when it
-/// arrives: the call's deadline, passing before the caller reads its empty
-/// body, must not turn it into DEADLINE_EXCEEDED. (Only a committed body is
-/// cut at the deadline.)
-async fn trailers_only_read_after_the_deadline(code: Code) -> Code {
-    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
-    let call = spawn_call(&mut svc, with_timeout(request(), "100m")).await;
-    let (_, send, _) = next(&mut handle).await;
-    send.send_response(status(code));
-    let response = call.await.unwrap().unwrap();
-    assert_eq!(code_of(&response), code, "the answer, in time");
-    tokio::time::advance(Duration::from_millis(150)).await;
-    read_to_end(response).await
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_trailers_only_ok_read_after_the_deadline_stays_ok() {
-    assert_eq!(
-        trailers_only_read_after_the_deadline(Code::Ok).await,
-        Code::Ok
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_trailers_only_error_read_after_the_deadline_keeps_its_code() {
-    assert_eq!(
-        trailers_only_read_after_the_deadline(Code::NotFound).await,
-        Code::NotFound
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_trailers_only_answer_whose_body_stalls_still_ends_at_the_deadline() {
+/// A call with a 100 ms deadline answered at once with `response`, whose
+/// body the caller reads to its end from `wait` on: the code it reads, and
+/// when the read ended, from the call's start.
+async fn read_after(response: Response<Body>, wait: Duration) -> (Code, Duration) {
     let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
     let start = Instant::now();
     let call = spawn_call(&mut svc, with_timeout(request(), "100m")).await;
     let (_, send, _) = next(&mut handle).await;
+    send.send_response(response);
+    let response = call.await.unwrap().unwrap();
+    tokio::time::advance(wait).await;
+    let code = bounded(read_to_end(response)).await;
+    (code, Instant::now() - start)
+}
+
+/// A Trailers-Only answer (its status in its headers) arrived in time: the
+/// call's deadline, passing before the caller reads its empty body, must not
+/// turn it into DEADLINE_EXCEEDED. (A committed body ends with it.)
+#[tokio::test(start_paused = true)]
+async fn a_trailers_only_ok_read_after_the_deadline_stays_ok() {
+    let (code, _) = read_after(status(Code::Ok), Duration::from_millis(150)).await;
+    assert_eq!(code, Code::Ok);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_trailers_only_error_read_after_the_deadline_keeps_its_code() {
+    let (code, _) = read_after(status(Code::NotFound), Duration::from_millis(150)).await;
+    assert_eq!(code, Code::NotFound);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_trailers_only_answer_whose_body_stalls_still_ends_at_the_deadline() {
     // A server that sends OK in its headers and then keeps the stream open.
     let (_tx, mut response) = streaming_response();
     response
         .headers_mut()
         .insert("grpc-status", HeaderValue::from_static("0"));
-    send.send_response(response);
-    let response = call.await.unwrap().unwrap();
-    assert_eq!(bounded(read_to_end(response)).await, Code::Ok);
+    let (code, ended) = read_after(response, Duration::ZERO).await;
+    assert_eq!(code, Code::Ok);
     assert_eq!(
-        Instant::now() - start,
+        ended,
         Duration::from_millis(100),
         "the body ended at the deadline, not before and not never"
     );
