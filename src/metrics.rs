@@ -36,7 +36,7 @@ struct Counters {
 }
 
 /// How many stripes the attempts are counted in.
-const STRIPES: usize = 16;
+pub(crate) const STRIPES: usize = 16;
 
 /// One stripe of a count, alone on its cache lines (x86-64 fetches them in
 /// pairs).

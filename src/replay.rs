@@ -199,7 +199,7 @@ impl Whole {
             && !self.given_back.swap(true, Ordering::SeqCst)
             && let Some(memory) = &self.memory
         {
-            memory.memory().release(self.reserved);
+            memory.release(self.reserved);
         }
     }
 
@@ -467,20 +467,48 @@ pub(crate) enum Cap {
 /// The bytes the replay copies of one layer's calls in flight hold together,
 /// and the most they may: a copy that would pass it is dropped, as one that
 /// outgrows its call's limit.
-#[derive(Debug)]
+///
+/// Counted in [`STRIPES`] stripes, each alone on its cache lines, one per
+/// service handle (as the attempts are counted): a copy reserves from the
+/// bytes its stripe was granted ahead and gives them back there, so the
+/// usual call writes no count that every thread writes. Only a stripe that
+/// runs short, or holds more than it needs, touches the shared count; and
+/// a copy is refused only under a lock, once every stripe's spare bytes have
+/// come back, so it is refused exactly when the copies held leave it no room.
 pub(crate) struct ReplayMemory {
-    used: AtomicUsize,
+    /// Bytes granted to the stripes, held by copies or spare in a stripe:
+    /// never more than the limit when they were granted.
+    granted: AtomicUsize,
     limit: AtomicUsize,
+    /// Taken to grant bytes, and to refuse a copy.
+    granting: Mutex<()>,
+    /// Per stripe: bytes granted and held by no copy.
+    spare: [Spare; STRIPES],
 }
+
+/// How many stripes the layer's memory is counted in (as many as the
+/// attempts).
+pub(crate) const STRIPES: usize = crate::metrics::STRIPES;
+
+/// A stripe's spare bytes, alone on its cache lines (x86-64 fetches them in
+/// pairs).
+#[derive(Default)]
+#[repr(align(128))]
+struct Spare(AtomicUsize);
 
 impl ReplayMemory {
     /// grpc-java's retry buffer size.
     pub(crate) const DEFAULT_LIMIT: usize = 16 << 20;
 
+    /// The most a stripe is granted ahead: 64 KiB at the default limit.
+    const MAX_GRAIN: usize = 64 << 10;
+
     pub(crate) fn new(limit: usize) -> Self {
         Self {
-            used: AtomicUsize::new(0),
+            granted: AtomicUsize::new(0),
             limit: AtomicUsize::new(limit),
+            granting: Mutex::new(()),
+            spare: Default::default(),
         }
     }
 
@@ -488,36 +516,110 @@ impl ReplayMemory {
         self.limit.load(Ordering::Relaxed)
     }
 
+    /// A lowered limit holds from the next copy on: stripes holding more
+    /// than it allows give their spare bytes back first.
     pub(crate) fn set_limit(&self, limit: usize) {
         self.limit.store(limit, Ordering::Relaxed);
     }
 
     /// Bytes held now.
     pub(crate) fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
+        let spare = self.spare.iter().fold(0usize, |sum, s| {
+            sum.saturating_add(s.0.load(Ordering::Relaxed))
+        });
+        self.granted.load(Ordering::Relaxed).saturating_sub(spare)
     }
 
-    /// Takes `bytes` if they fit; never waits.
-    fn try_reserve(&self, bytes: usize) -> bool {
-        // NOTE: one read-modify-write, undone when it overshoots: a
-        // compare-and-swap loop would cost more on every call. Two calls
-        // racing at the limit may both be refused where one would fit: a
-        // refused call is only not retried, so erring that way is safe.
-        if bytes > self.limit() {
-            return false;
+    /// What a stripe is granted ahead under `limit`: at most an eighth of
+    /// it for all the stripes together, each holding up to twice its grain.
+    fn grain(limit: usize) -> usize {
+        (limit / (STRIPES * 16)).min(Self::MAX_GRAIN)
+    }
+
+    /// Takes `bytes` for a copy counted in `stripe`, if they fit; never
+    /// waits for a copy to be given back.
+    #[inline]
+    fn try_reserve(&self, stripe: usize, bytes: usize) -> bool {
+        let spare = &self.spare[stripe % STRIPES].0;
+        // NOTE: the grants within the limit, any spare bytes of the stripe
+        // are room under it. A lowered limit the grants pass takes the
+        // locked way, which takes the spare bytes back first.
+        if self.granted.load(Ordering::Relaxed) <= self.limit()
+            && spare
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| {
+                    s.checked_sub(bytes)
+                })
+                .is_ok()
+        {
+            return true;
         }
-        let before = self.used.fetch_add(bytes, Ordering::Relaxed);
-        match before.checked_add(bytes) {
-            Some(total) if total <= self.limit() => true,
-            _ => {
-                self.used.fetch_sub(bytes, Ordering::Relaxed);
-                false
-            }
+        self.reserve_granting(spare, bytes)
+    }
+
+    /// [`try_reserve`](Self::try_reserve) for a stripe short of `bytes`, or
+    /// grants past the limit: bytes granted to the stripe with some ahead,
+    /// else exactly, else once every stripe's spare bytes are back.
+    #[cold]
+    fn reserve_granting(&self, spare: &AtomicUsize, bytes: usize) -> bool {
+        let _granting = self.granting.lock().unwrap_or_else(PoisonError::into_inner);
+        let limit = self.limit();
+        let grain = Self::grain(limit);
+        if let Some(ahead) = bytes.checked_add(grain)
+            && self.grant(ahead, limit)
+        {
+            spare.fetch_add(grain, Ordering::Relaxed);
+            return true;
+        }
+        if self.grant(bytes, limit) {
+            return true;
+        }
+        for stripe in &self.spare {
+            let back = stripe.0.swap(0, Ordering::Relaxed);
+            self.granted.fetch_sub(back, Ordering::Relaxed);
+        }
+        self.grant(bytes, limit)
+    }
+
+    /// Grants `bytes` more if all the grants then fit in `limit`.
+    fn grant(&self, bytes: usize, limit: usize) -> bool {
+        self.granted
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |granted| {
+                granted.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .is_ok()
+    }
+
+    /// Gives back `bytes` a copy counted in `stripe` held: to the stripe,
+    /// which gives the layer back what it holds past twice its grain.
+    #[inline]
+    fn release(&self, stripe: usize, bytes: usize) {
+        let spare = &self.spare[stripe % STRIPES].0;
+        let now = spare
+            .fetch_add(bytes, Ordering::Relaxed)
+            .saturating_add(bytes);
+        let grain = Self::grain(self.limit());
+        if now > grain.saturating_mul(2) {
+            self.release_spare(spare, grain);
         }
     }
 
-    fn release(&self, bytes: usize) {
-        self.used.fetch_sub(bytes, Ordering::Relaxed);
+    /// The stripe keeps `grain` of its spare bytes; the layer gets the rest.
+    #[cold]
+    fn release_spare(&self, spare: &AtomicUsize, grain: usize) {
+        if let Ok(before) = spare.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| {
+            (s > grain).then_some(grain)
+        }) {
+            self.granted.fetch_sub(before - grain, Ordering::Relaxed);
+        }
+    }
+}
+
+impl fmt::Debug for ReplayMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplayMemory")
+            .field("used", &self.used())
+            .field("limit", &self.limit())
+            .finish()
     }
 }
 
@@ -525,13 +627,30 @@ impl ReplayMemory {
 /// handle of the service that made the call (`shared::Local`), so that
 /// holding it moves no count every thread writes.
 pub(crate) trait Account: Send + Sync {
-    fn memory(&self) -> &ReplayMemory;
+    /// The layer's memory, and the stripe the copies count in.
+    fn memory(&self) -> (&ReplayMemory, usize);
+}
+
+impl dyn Account {
+    /// Takes `bytes` in the layer's memory if they fit.
+    #[inline]
+    fn try_reserve(&self, bytes: usize) -> bool {
+        let (memory, stripe) = self.memory();
+        memory.try_reserve(stripe, bytes)
+    }
+
+    /// Gives back `bytes` taken in the layer's memory.
+    #[inline]
+    fn release(&self, bytes: usize) {
+        let (memory, stripe) = self.memory();
+        memory.release(stripe, bytes);
+    }
 }
 
 #[cfg(test)]
 impl Account for ReplayMemory {
-    fn memory(&self) -> &ReplayMemory {
-        self
+    fn memory(&self) -> (&ReplayMemory, usize) {
+        (self, 0)
     }
 }
 
@@ -746,7 +865,7 @@ where
         let read = AtOnce::read(&mut body, limit);
         if read.ended && read.error.is_none() && read.bytes <= limit {
             let reserved = match &memory {
-                Some(account) if read.bytes > 0 => account.memory().try_reserve(read.bytes),
+                Some(account) if read.bytes > 0 => account.try_reserve(read.bytes),
                 _ => true,
             };
             if reserved {
@@ -1243,7 +1362,7 @@ impl<B> Shared<B> {
         if self.reserved > 0
             && let Some(memory) = &self.memory
         {
-            memory.memory().release(std::mem::take(&mut self.reserved));
+            memory.release(std::mem::take(&mut self.reserved));
         }
     }
 
@@ -1258,7 +1377,7 @@ impl<B> Shared<B> {
     fn cap(&mut self, cap: Cap) {
         tracing::debug!(
             limit = self.limit,
-            layer_limit = self.memory.as_ref().map(|m| m.memory().limit()),
+            layer_limit = self.memory.as_ref().map(|m| m.memory().0.limit()),
             ?cap,
             "request body outgrew a replay limit; the call will not be retried"
         );
@@ -1335,7 +1454,7 @@ impl<B> Shared<B> {
         let more = bytes.saturating_sub(self.reserved);
         match &self.memory {
             Some(memory) if more > 0 => {
-                if !memory.memory().try_reserve(more) {
+                if !memory.try_reserve(more) {
                     return false;
                 }
                 self.reserved += more;
@@ -2043,18 +2162,104 @@ mod tests {
     #[test]
     fn the_layers_memory_never_overflows_nor_passes_its_limit() {
         let memory = ReplayMemory::new(10);
-        assert!(memory.try_reserve(10));
-        assert!(!memory.try_reserve(1), "full");
-        memory.release(4);
+        assert!(memory.try_reserve(0, 10));
+        assert!(!memory.try_reserve(0, 1), "full");
+        memory.release(0, 4);
         assert!(
-            !memory.try_reserve(usize::MAX),
+            !memory.try_reserve(0, usize::MAX),
             "an overflowing reservation is refused"
         );
-        assert!(memory.try_reserve(4));
+        assert!(memory.try_reserve(0, 4));
         assert_eq!(memory.used(), 10);
         let unbounded = ReplayMemory::new(usize::MAX);
-        assert!(unbounded.try_reserve(usize::MAX));
-        assert!(!unbounded.try_reserve(1));
+        assert!(unbounded.try_reserve(0, usize::MAX));
+        assert!(!unbounded.try_reserve(1, 1));
+    }
+
+    #[test]
+    fn bytes_a_stripe_holds_spare_are_room_for_any_other_stripe() {
+        let memory = ReplayMemory::new(1 << 20);
+        // Stripe 0 is granted bytes ahead, and keeps them when its copy goes.
+        assert!(memory.try_reserve(0, 3000));
+        memory.release(0, 3000);
+        assert_eq!(memory.used(), 0, "spare bytes are held by no copy");
+        // The whole limit is still room for a copy counted elsewhere.
+        assert!(memory.try_reserve(1, 1 << 20));
+        assert_eq!(memory.used(), 1 << 20);
+        for stripe in 0..STRIPES {
+            assert!(!memory.try_reserve(stripe, 1), "full, from stripe {stripe}");
+        }
+        memory.release(1, 1 << 20);
+        assert_eq!(memory.used(), 0);
+        assert!(memory.try_reserve(2, 1 << 20), "all of it back");
+    }
+
+    #[test]
+    fn a_stripes_copies_write_no_shared_count_once_it_holds_bytes_ahead() {
+        let memory = ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT);
+        assert!(memory.try_reserve(5, 16));
+        memory.release(5, 16);
+        let granted = memory.granted.load(Ordering::Relaxed);
+        // Unary calls one after another, and up to a grain's worth at once.
+        for size in [16, 4 << 10, 60 << 10] {
+            for _ in 0..1_000 {
+                assert!(memory.try_reserve(5, size));
+                memory.release(5, size);
+            }
+        }
+        let held: Vec<usize> = (0..16).map(|n| 1 + n * 250).collect();
+        for &size in &held {
+            assert!(memory.try_reserve(5, size));
+        }
+        for &size in &held {
+            memory.release(5, size);
+        }
+        assert_eq!(
+            memory.granted.load(Ordering::Relaxed),
+            granted,
+            "the shared count was not written again"
+        );
+        assert_eq!(memory.used(), 0);
+    }
+
+    #[test]
+    fn a_lowered_limit_holds_for_bytes_granted_ahead_under_the_old_one() {
+        let memory = ReplayMemory::new(1 << 20);
+        // Stripe 0 keeps bytes granted ahead under the first limit.
+        assert!(memory.try_reserve(0, 100));
+        memory.release(0, 100);
+        assert!(memory.try_reserve(1, 500 << 10));
+        memory.set_limit(500 << 10);
+        assert!(
+            !memory.try_reserve(0, 100),
+            "stripe 0's spare bytes are no room past the lowered limit"
+        );
+        assert_eq!(memory.used(), 500 << 10);
+        memory.release(1, 500 << 10);
+        assert!(memory.try_reserve(0, 500 << 10), "what fits under it does");
+        assert!(!memory.try_reserve(1, 1));
+        assert_eq!(memory.used(), 500 << 10);
+    }
+
+    #[test]
+    fn copies_that_fit_together_are_never_refused_whatever_their_stripes_do_at_once() {
+        // Each thread holds at most its copy; together they fill the limit
+        // exactly, so every reservation fits whatever the order.
+        const LIMIT: usize = 1 << 20;
+        let memory = ReplayMemory::new(LIMIT);
+        let sizes = [LIMIT - 3000, 1000, 2000];
+        std::thread::scope(|scope| {
+            for (stripe, &size) in sizes.iter().enumerate() {
+                let memory = &memory;
+                scope.spawn(move || {
+                    for _ in 0..20_000 {
+                        assert!(memory.try_reserve(stripe, size), "stripe {stripe} refused");
+                        memory.release(stripe, size);
+                    }
+                });
+            }
+        });
+        assert_eq!(memory.used(), 0);
     }
 
     #[tokio::test]

@@ -119,7 +119,7 @@ impl<Bu, M> std::ops::Deref for Local<Bu, M> {
 
 impl<Bu: Send + Sync, M: Send + Sync> Account for Local<Bu, M> {
     #[inline]
-    fn memory(&self) -> &ReplayMemory {
-        &self.shared.replay_memory
+    fn memory(&self) -> (&ReplayMemory, usize) {
+        (&self.shared.replay_memory, self.stripe)
     }
 }
