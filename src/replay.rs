@@ -442,6 +442,16 @@ struct Shared<B> {
     error: Option<BoxError>,
 }
 
+/// Whether the caller runs on a tokio runtime.
+// NOTE: a task's id is read without touching the runtime; its handle is
+// reference-counted, and cloning it on every call would write a count
+// that every worker of a multi-thread runtime writes. Only a call made
+// outside a task (in `block_on`) asks for the handle.
+#[inline]
+fn on_runtime() -> bool {
+    tokio::task::try_id().is_some() || tokio::runtime::Handle::try_current().is_ok()
+}
+
 /// Polls the caller's body for its next frame, its error boxed.
 type Pull<B> = fn(&mut B, &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>;
 
@@ -858,7 +868,7 @@ where
     /// polled: a timer, a file), and the body is made as `sharing` makes it.
     pub(crate) fn at_once(mut body: B, limit: usize, memory: Option<Arc<dyn Account>>) -> Self {
         let hint = body.size_hint();
-        if hint.lower() > limit as u64 || tokio::runtime::Handle::try_current().is_err() {
+        if hint.lower() > limit as u64 || !on_runtime() {
             return Self::sharing(body, limit, memory);
         }
         let exact = hint.exact().is_some();

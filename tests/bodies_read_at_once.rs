@@ -163,6 +163,23 @@ impl http_body::Body for Paced {
     }
 }
 
+/// A call made in a task (a server's handler, a spawned client) reads its
+/// body at once, as one made in `block_on` (`#[tokio::main]`) does: it is
+/// counted in the layer's replay memory as soon as the call is made.
+#[tokio::test]
+async fn a_call_made_in_a_task_or_in_block_on_reads_its_body_at_once() {
+    // The bytes held once a call of 8 bytes is made, before it is polled.
+    async fn held_once_made() -> usize {
+        let (mut svc, _handle, layer) = setup(RetryPolicy::default(), budget());
+        let ready = svc.ready().await.unwrap();
+        let _future = ready.call(request_of(8));
+        layer.replay_memory_in_use()
+    }
+    let in_block_on = held_once_made().await;
+    let in_task = tokio::spawn(held_once_made()).await.unwrap();
+    assert_eq!((in_block_on, in_task), (8, 8), "(in block_on, in a task)");
+}
+
 /// §15: a call can be made on one thread and spawned on a runtime (e.g.
 /// `handle.spawn(svc.call(req))` from a thread outside the runtime): `call`
 /// reads nothing of the caller's body there, where a body whose poll needs
