@@ -482,9 +482,12 @@ pub(crate) enum Cap {
 /// service handle (as the attempts are counted): a copy reserves from the
 /// bytes its stripe was granted ahead and gives them back there, so the
 /// usual call writes no count that every thread writes. Only a stripe that
-/// runs short, or holds more than it needs, touches the shared count; and
-/// a copy is refused only under a lock, once every stripe's spare bytes have
-/// come back, so it is refused exactly when the copies held leave it no room.
+/// runs short, or holds more than it needs, touches the shared count (so
+/// does every copy larger than a grain, 64 KiB at the default limit, whose
+/// call copies and sends that much anyway). Every write of the shared count
+/// is made under a lock, and a copy is refused only once every stripe's
+/// spare bytes have come back, so it is refused exactly when the copies held
+/// leave it no room.
 pub(crate) struct ReplayMemory {
     /// Bytes granted to the stripes, held by copies or spare in a stripe:
     /// never more than the limit when they were granted.
@@ -614,8 +617,12 @@ impl ReplayMemory {
     }
 
     /// The stripe keeps `grain` of its spare bytes; the layer gets the rest.
+    // NOTE: under the lock, as every write of `granted` is: bytes taken
+    // from a stripe and not yet taken off `granted` would count as held to
+    // a copy refused meanwhile.
     #[cold]
     fn release_spare(&self, spare: &AtomicUsize, grain: usize) {
+        let _granting = self.granting.lock().unwrap_or_else(PoisonError::into_inner);
         if let Ok(before) = spare.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| {
             (s > grain).then_some(grain)
         }) {
@@ -2229,6 +2236,39 @@ mod tests {
             granted,
             "the shared count was not written again"
         );
+        assert_eq!(memory.used(), 0);
+    }
+
+    #[test]
+    fn copies_larger_than_a_grain_that_fit_together_are_never_refused() {
+        // A stripe giving spare bytes back (past twice its grain) while a
+        // copy is refused elsewhere.
+        const LIMIT: usize = 1 << 20;
+        let small = 3 * ReplayMemory::grain(LIMIT);
+        let memory = ReplayMemory::new(LIMIT);
+        let sizes = [LIMIT - small, small];
+        let refused: Vec<usize> = std::thread::scope(|scope| {
+            let threads: Vec<_> = sizes
+                .iter()
+                .enumerate()
+                .map(|(stripe, &size)| {
+                    let memory = &memory;
+                    scope.spawn(move || {
+                        let mut refused = 0;
+                        for _ in 0..50_000 {
+                            if memory.try_reserve(stripe, size) {
+                                memory.release(stripe, size);
+                            } else {
+                                refused += 1;
+                            }
+                        }
+                        refused
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert_eq!(refused, [0, 0], "refused, by stripe");
         assert_eq!(memory.used(), 0);
     }
 
