@@ -8,6 +8,7 @@
 //! token itself is taken when the retry is sent (in the attempt), so that only
 //! attempts really sent are paid for.
 
+use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -198,19 +199,76 @@ pub(crate) struct FirstCopy<B> {
     method: Method,
     uri: Uri,
     version: Version,
-    /// Every value of every header, in the request's order.
-    headers: Vec<(HeaderName, HeaderValue)>,
+    headers: HeaderList,
     extensions: Extensions,
     body: ReplayBody<B>,
+}
+
+/// Every value of every header of a first copy, in the request's order.
+///
+/// Most copies are dropped unused (their call succeeded at once), so the
+/// list's allocation is not given back to the allocator with them: a thread
+/// keeps up to [`KEPT_LISTS`] emptied lists for its next calls' copies.
+struct HeaderList(Vec<(HeaderName, HeaderValue)>);
+
+/// How many emptied lists a thread keeps.
+const KEPT_LISTS: usize = 16;
+
+/// The most values a list kept may have room for: a request with more
+/// headers than that is rare, and its list is freed.
+const KEPT_CAPACITY: usize = 32;
+
+thread_local! {
+    /// This thread's emptied lists.
+    static LISTS: RefCell<Vec<Vec<(HeaderName, HeaderValue)>>> =
+        const { RefCell::new(Vec::new()) };
+}
+
+impl HeaderList {
+    /// An empty list with room for `len` values: one the thread kept, if
+    /// any.
+    #[inline]
+    fn with_capacity(len: usize) -> Self {
+        let mut list = LISTS
+            .try_with(|lists| {
+                lists
+                    .try_borrow_mut()
+                    .ok()
+                    .and_then(|mut lists| lists.pop())
+            })
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        list.reserve(len);
+        Self(list)
+    }
+}
+
+impl Drop for HeaderList {
+    fn drop(&mut self) {
+        let mut list = std::mem::take(&mut self.0);
+        list.clear();
+        if list.capacity() == 0 || list.capacity() > KEPT_CAPACITY {
+            return;
+        }
+        // A thread that is ending, or has enough lists, frees it.
+        let _ = LISTS.try_with(move |lists| {
+            if let Ok(mut lists) = lists.try_borrow_mut()
+                && lists.len() < KEPT_LISTS
+            {
+                lists.push(list);
+            }
+        });
+    }
 }
 
 impl<B> FirstCopy<B> {
     /// A copy of `req`, its body a clone that reads it again from its start.
     #[inline(always)]
     fn of(req: &Request<ReplayBody<B>>) -> Self {
-        let mut headers = Vec::with_capacity(req.headers().len());
+        let mut headers = HeaderList::with_capacity(req.headers().len());
         for (name, value) in req.headers() {
-            headers.push((name.clone(), value.clone()));
+            headers.0.push((name.clone(), value.clone()));
         }
         Self {
             method: req.method().clone(),
@@ -227,10 +285,12 @@ impl<B> FirstCopy<B> {
         // NOTE: sized by values, not names: a map holds any number of
         // values for its at most 24,576 names, and its capacity is bounded,
         // so a request with more values grows its map as it is filled.
-        let mut headers = HeaderMap::try_with_capacity(self.headers.len()).unwrap_or_default();
-        for (name, value) in self.headers {
+        let mut list = self.headers;
+        let mut headers = HeaderMap::try_with_capacity(list.0.len()).unwrap_or_default();
+        for (name, value) in list.0.drain(..) {
             headers.append(name, value);
         }
+        drop(list);
         let mut req = Request::new(self.body);
         *req.method_mut() = self.method;
         *req.uri_mut() = self.uri;
@@ -252,6 +312,7 @@ impl<B> RetryCopy<B> for FirstCopy<B> {
 
     fn header(&self, name: &HeaderName) -> Option<&HeaderValue> {
         self.headers
+            .0
             .iter()
             .find_map(|(n, value)| (n == name).then_some(value))
     }
@@ -259,13 +320,14 @@ impl<B> RetryCopy<B> for FirstCopy<B> {
     fn set_header(&mut self, name: HeaderName, value: HeaderValue) {
         // As `HeaderMap::insert`: the value takes the header's place, where
         // it had one, and its other values go.
-        let Some(at) = self.headers.iter().position(|(n, _)| *n == name) else {
-            self.headers.push((name, value));
+        let headers = &mut self.headers.0;
+        let Some(at) = headers.iter().position(|(n, _)| *n == name) else {
+            headers.push((name, value));
             return;
         };
-        self.headers[at].1 = value;
+        headers[at].1 = value;
         let mut i = 0;
-        self.headers.retain(|(n, _)| {
+        headers.retain(|(n, _)| {
             i += 1;
             i <= at + 1 || *n != name
         });
@@ -969,6 +1031,40 @@ mod tests {
         headers.append("x-tag", HeaderValue::from_static("second"));
         headers.append("x-other", HeaderValue::from_static("other"));
         req
+    }
+
+    #[test]
+    fn a_thread_keeps_the_lists_its_copies_dropped_emptied_and_bounded() {
+        // Run on a thread of its own: the thread's lists are this test's.
+        std::thread::spawn(|| {
+            let value = bytes::Bytes::from(vec![b'v'; 8]);
+            let list = |len: usize| {
+                let mut list = HeaderList::with_capacity(len);
+                for _ in 0..len {
+                    let value = HeaderValue::from_maybe_shared(value.clone()).unwrap();
+                    list.0.push((HeaderName::from_static("x-tag"), value));
+                }
+                list
+            };
+            let first = list(4);
+            let at = first.0.as_ptr();
+            drop(first);
+            assert!(value.is_unique(), "a list kept holds no value");
+            let again = list(4);
+            assert_eq!(again.0.as_ptr(), at, "the next copy's list is the one kept");
+            drop(again);
+
+            let kept = || LISTS.with(|lists| lists.borrow().len());
+            assert_eq!(kept(), 1);
+            drop(list(KEPT_CAPACITY + 1));
+            assert_eq!(kept(), 0, "a list past the capacity kept is freed");
+            let lists: Vec<_> = (0..KEPT_LISTS + 4).map(|_| list(2)).collect();
+            drop(lists);
+            assert_eq!(kept(), KEPT_LISTS);
+            assert!(value.is_unique());
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
