@@ -443,13 +443,13 @@ struct Shared<B> {
 }
 
 /// Whether the caller runs on a tokio runtime.
-// NOTE: a task's id is read without touching the runtime; its handle is
-// reference-counted, and cloning it on every call would write a count
-// that every worker of a multi-thread runtime writes. Only a call made
-// outside a task (in `block_on`) asks for the handle.
+// NOTE: this clones the runtime's handle (a count the workers of a
+// multi-thread runtime share, as each of tokio's timers does). A task's id
+// is no cheaper proof: a `LocalSet` polled outside any runtime (by
+// `futures::executor::block_on`) runs tasks that have one.
 #[inline]
 fn on_runtime() -> bool {
-    tokio::task::try_id().is_some() || tokio::runtime::Handle::try_current().is_ok()
+    tokio::runtime::Handle::try_current().is_ok()
 }
 
 /// Polls the caller's body for its next frame, its error boxed.

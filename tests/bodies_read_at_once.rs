@@ -208,6 +208,44 @@ fn a_call_made_outside_a_runtime_is_sent_on_it() {
     });
 }
 
+/// §15: a task of a `LocalSet` polled outside any runtime (by an executor
+/// that is not tokio's) has a task id but no runtime: `call` reads nothing
+/// of the caller's body there either.
+#[test]
+fn a_call_made_in_a_local_set_task_outside_a_runtime_reads_nothing_in_call() {
+    assert!(
+        tokio::runtime::Handle::try_current().is_err(),
+        "no runtime here"
+    );
+    let (mut svc, _handle, _layer) = setup(RetryPolicy::default(), budget());
+    let mut req = request();
+    *req.body_mut() = Body::new(Paced {
+        sleep: None,
+        done: false,
+    });
+    let local = tokio::task::LocalSet::new();
+    let task = local.spawn_local(async move {
+        let in_task = tokio::task::try_id().is_some();
+        let ready = svc.ready().await.unwrap();
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ready.call(req)));
+        (in_task, made.is_ok())
+    });
+    // As `futures::executor::block_on` polls it, on a thread with no runtime.
+    let mut run = std::pin::pin!(local.run_until(task));
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let out = (0..100)
+        .find_map(|_| match run.as_mut().poll(&mut cx) {
+            Poll::Ready(r) => Some(r.unwrap()),
+            Poll::Pending => None,
+        })
+        .expect("the LocalSet's task finished");
+    assert_eq!(
+        out,
+        (true, true),
+        "(in a task, RetryService::call did not panic)"
+    );
+}
+
 /// §7b: a call whose first attempt is cut before it is sent (a per-attempt
 /// timeout of zero for its method) has sent nothing, and holds no replay
 /// memory through its backoffs: a call sent meanwhile, failing once, finds
