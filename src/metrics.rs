@@ -1,5 +1,6 @@
 //! Counters a caller can read, e.g. to export as metrics.
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -16,11 +17,9 @@ pub struct RetryMetrics {
 #[derive(Default)]
 struct Counters {
     /// Attempts, counted in stripes: every call counts one, so one counter
-    /// would be written by every thread on every call. The calls of one
-    /// service count in the stripe its handle was given.
+    /// would be written by every thread on every call. A thread counts in
+    /// its own stripe ([`thread_stripe`]).
     attempts: [Stripe; STRIPES],
-    /// The stripe the next service's handle gets.
-    next_stripe: AtomicUsize,
     retries: AtomicU64,
     refused_by_budget: AtomicU64,
     refused_by_deadline: AtomicU64,
@@ -37,6 +36,28 @@ struct Counters {
 
 /// How many stripes the attempts are counted in.
 pub(crate) const STRIPES: usize = 16;
+
+/// The stripe the calls made on this thread count in, of every layer's
+/// counts kept in stripes: one a thread, given in turn the first time the
+/// thread needs one, so that the calls of one thread write lines no other
+/// thread writes (up to 16 threads), whichever service handle they go
+/// through (tonic's clients are cloned for each call) and wherever a
+/// multi-thread runtime moves their tasks.
+#[inline]
+pub(crate) fn thread_stripe() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    STRIPE.with(|stripe| {
+        let mut at = stripe.get();
+        if at == usize::MAX {
+            at = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+            stripe.set(at);
+        }
+        at
+    })
+}
 
 /// One stripe of a count, alone on its cache lines (x86-64 fetches them in
 /// pairs).
@@ -80,15 +101,10 @@ impl RetryMetrics {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The stripe for the attempts of a new service's calls.
-    pub(crate) fn stripe(&self) -> usize {
-        self.inner.next_stripe.fetch_add(1, Ordering::Relaxed) % STRIPES
-    }
-
-    /// Counts an attempt sent by a call of the service given `stripe`.
+    /// Counts an attempt, in the stripe of the thread that sent it.
     #[inline]
-    pub(crate) fn attempt(&self, stripe: usize) {
-        if let Some(Stripe(count)) = self.inner.attempts.get(stripe) {
+    pub(crate) fn attempt(&self) {
+        if let Some(Stripe(count)) = self.inner.attempts.get(thread_stripe()) {
             count.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -479,8 +479,9 @@ pub(crate) enum Cap {
 /// outgrows its call's limit.
 ///
 /// Counted in [`STRIPES`] stripes, each alone on its cache lines, one per
-/// service handle (as the attempts are counted): a copy reserves from the
-/// bytes its stripe was granted ahead and gives them back there, so the
+/// thread (as the attempts are counted): a copy reserves from the bytes the
+/// stripe of the thread that makes it was granted ahead, and gives them back
+/// to the stripe of the thread that drops it (most often the same), so the
 /// usual call writes no count that every thread writes. Only a stripe that
 /// runs short, or holds more than it needs, touches the shared count (so
 /// does every copy larger than a grain, 64 KiB at the default limit, whose
@@ -644,7 +645,8 @@ impl fmt::Debug for ReplayMemory {
 /// handle of the service that made the call (`shared::Local`), so that
 /// holding it moves no count every thread writes.
 pub(crate) trait Account: Send + Sync {
-    /// The layer's memory, and the stripe the copies count in.
+    /// The layer's memory, and the stripe to count in now: the calling
+    /// thread's.
     fn memory(&self) -> (&ReplayMemory, usize);
 }
 
@@ -2270,6 +2272,38 @@ mod tests {
         });
         assert_eq!(refused, [0, 0], "refused, by stripe");
         assert_eq!(memory.used(), 0);
+    }
+
+    #[test]
+    fn calls_through_a_handle_each_count_in_their_threads_stripe() {
+        use crate::shared::{Local, Shared};
+        // tonic's clients are cloned for each call: a service handle each.
+        std::thread::spawn(|| {
+            let policies = crate::MethodPolicies::from(crate::RetryPolicy::default());
+            let budget = crate::RetryBudget::new(10, 0.1).unwrap();
+            let shared = Shared::new(policies, budget);
+            for _ in 0..100 {
+                let handle: Arc<dyn Account> = Local::new(&shared, crate::trace::NoMetrics);
+                assert!(handle.try_reserve(16));
+                handle.release(16);
+            }
+            let memory = &shared.replay_memory;
+            let spare: Vec<usize> = memory
+                .spare
+                .iter()
+                .map(|s| s.0.load(Ordering::Relaxed))
+                .collect();
+            let mine = crate::metrics::thread_stripe();
+            assert!(spare[mine] > 0, "the thread's stripe holds bytes ahead");
+            assert_eq!(
+                spare.iter().filter(|&&s| s > 0).count(),
+                1,
+                "no other stripe was written: {spare:?}"
+            );
+            assert_eq!(memory.used(), 0);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

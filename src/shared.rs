@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use crate::methods::MethodPolicies;
-use crate::metrics::Event;
 use crate::metrics::RetryMetrics;
+use crate::metrics::{Event, thread_stripe};
 use crate::replay::{Account, ReplayMemory};
 use crate::trace::{Gauged, NoMetrics, Record, Trace};
 
@@ -50,8 +50,6 @@ impl<Bu> Shared<Bu> {
 #[repr(align(128))]
 pub(crate) struct Local<Bu, M = NoMetrics> {
     shared: Arc<Shared<Bu>>,
-    /// Where this service's calls count their attempts.
-    stripe: usize,
     recorder: M,
 }
 
@@ -59,7 +57,6 @@ impl<Bu, M: Record + Clone> Local<Bu, M> {
     pub(crate) fn new(shared: &Arc<Shared<Bu>>, recorder: M) -> Arc<Self> {
         Arc::new(Self {
             shared: Arc::clone(shared),
-            stripe: shared.metrics.stripe(),
             recorder,
         })
     }
@@ -92,7 +89,7 @@ impl<Bu, M: Record + Clone> Local<Bu, M> {
     /// Counts an attempt sent by one of this service's calls.
     #[inline]
     pub(crate) fn count_attempt(&self) {
-        self.shared.metrics.attempt(self.stripe);
+        self.shared.metrics.attempt();
     }
 
     /// A handle of its own for another service of the same layer.
@@ -120,6 +117,6 @@ impl<Bu, M> std::ops::Deref for Local<Bu, M> {
 impl<Bu: Send + Sync, M: Send + Sync> Account for Local<Bu, M> {
     #[inline]
     fn memory(&self) -> (&ReplayMemory, usize) {
-        (&self.shared.replay_memory, self.stripe)
+        (&self.shared.replay_memory, thread_stripe())
     }
 }
