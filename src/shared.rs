@@ -40,24 +40,33 @@ impl<Bu> Shared<Bu> {
 /// call policy, tower's `Retry` cloning both for a retry, the budget credit
 /// its body carries): on one `Arc` for the whole layer, every call on every thread
 /// would write to the same cache line that many times. On a service's own,
-/// those writes stay with the thread that calls through it. Aligned to a
-/// cache line pair (as `crossbeam`'s `CachePadded` on x86-64, where lines
-/// are fetched in pairs), so that two services' handles, made one after the
-/// other, never share one.
+/// those writes stay with the thread that calls through it. Padded to more
+/// than a cache line pair (x86-64 fetches lines in pairs), so that two
+/// services' handles, made one after the other, never share one.
 ///
 /// It holds what records the calls' standard metrics too, which the layer's
 /// type chose: nothing, by default.
-#[repr(align(128))]
+// NOTE: padded, not aligned: an allocation aligned past 16 bytes takes the
+// allocator's slow way (glibc's `posix_memalign`), which cost each clone of
+// a service about 700 instructions more than a plain one (BENCHMARKS.md,
+// "A handle for each call"), and tonic's clients are cloned for each call.
 pub(crate) struct Local<Bu, M = NoMetrics> {
     shared: Arc<Shared<Bu>>,
     recorder: M,
+    _room: [u64; ROOM],
 }
+
+/// Words of room in a handle: with its counts and the layer's `Arc`, a
+/// handle's allocation is more than 128 bytes, so the counts of two handles
+/// in a row are never on one pair of cache lines.
+const ROOM: usize = 14;
 
 impl<Bu, M: Record + Clone> Local<Bu, M> {
     pub(crate) fn new(shared: &Arc<Shared<Bu>>, recorder: M) -> Arc<Self> {
         Arc::new(Self {
             shared: Arc::clone(shared),
             recorder,
+            _room: [0; ROOM],
         })
     }
 
@@ -118,5 +127,22 @@ impl<Bu: Send + Sync, M: Send + Sync> Account for Local<Bu, M> {
     #[inline]
     fn memory(&self) -> (&ReplayMemory, usize) {
         (&self.shared.replay_memory, thread_stripe())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::RetryBudget;
+
+    #[test]
+    fn a_handles_allocation_spans_more_than_a_pair_of_cache_lines() {
+        // An `Arc`'s allocation: its two counts, then the handle.
+        let counts = 2 * std::mem::size_of::<usize>();
+        assert!(counts + std::mem::size_of::<Local<RetryBudget>>() > 128);
+        assert!(
+            std::mem::align_of::<Local<RetryBudget>>() <= 16,
+            "no slow allocation"
+        );
     }
 }
