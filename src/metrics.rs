@@ -38,25 +38,104 @@ struct Counters {
 pub(crate) const STRIPES: usize = 16;
 
 /// The stripe the calls made on this thread count in, of every layer's
-/// counts kept in stripes: one a thread, given in turn the first time the
-/// thread needs one, so that the calls of one thread write lines no other
-/// thread writes (up to 16 threads), whichever service handle they go
+/// counts kept in stripes: one a thread, so that the calls of one thread
+/// write lines no other thread writes, whichever service handle they go
 /// through (tonic's clients are cloned for each call) and wherever a
 /// multi-thread runtime moves their tasks.
+///
+/// A thread holds the lowest stripe no living thread holds, from its first
+/// call to its end, when the stripe is free again. With more than
+/// [`STRIPES`] threads calling at once, the others share stripes in turn.
+/// (A call made while its thread ends, by another thread-local's
+/// destructor, may count in a stripe given back already: correct, and only
+/// shared for that while.)
 #[inline]
 pub(crate) fn thread_stripe() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    // NOTE: read from a cell with no destructor (a thread-local with one is
+    // checked for it on every read); the stripe is given back by a second
+    // thread-local's, which is only set once.
     thread_local! {
-        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+        static STRIPE: Cell<usize> = const { Cell::new(UNSET) };
     }
-    STRIPE.with(|stripe| {
-        let mut at = stripe.get();
-        if at == usize::MAX {
-            at = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+    STRIPE.with(|stripe| match stripe.get() {
+        UNSET => {
+            let at = ThreadStripe::hold();
             stripe.set(at);
+            at
         }
-        at
+        at => at,
     })
+}
+
+thread_local! {
+    /// Gives the thread's stripe back when the thread ends.
+    static HOLDER: ThreadStripe = const { ThreadStripe(Cell::new(UNSET)) };
+}
+
+/// A thread's stripe: below [`STRIPES`], held by the thread alone and freed
+/// when it ends; from [`STRIPES`] on, shared in turn (that number modulo
+/// [`STRIPES`]).
+struct ThreadStripe(Cell<usize>);
+
+/// No stripe taken yet.
+const UNSET: usize = usize::MAX;
+
+/// Which stripes living threads hold, one bit each.
+static HELD: AtomicUsize = AtomicUsize::new(0);
+
+/// The next stripe shared in turn, once every stripe is held.
+static NEXT_SHARED: AtomicUsize = AtomicUsize::new(0);
+
+impl ThreadStripe {
+    /// The stripe this thread takes: held until it ends, if it can be
+    /// given back then.
+    #[cold]
+    fn hold() -> usize {
+        let at = Self::take();
+        if HOLDER.try_with(|holder| holder.0.set(at)).is_err() {
+            // The thread is ending: nothing would give a stripe back.
+            Self::free(at);
+            return Self::shared();
+        }
+        at % STRIPES
+    }
+
+    /// The lowest stripe no living thread holds, or one shared in turn.
+    fn take() -> usize {
+        let all = (1usize << STRIPES) - 1;
+        let mut held = HELD.load(Ordering::Relaxed);
+        while held & all != all {
+            let at = (!held & all).trailing_zeros() as usize;
+            match HELD.compare_exchange_weak(
+                held,
+                held | 1 << at,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return at,
+                Err(now) => held = now,
+            }
+        }
+        STRIPES + Self::shared()
+    }
+
+    /// A stripe shared in turn.
+    fn shared() -> usize {
+        NEXT_SHARED.fetch_add(1, Ordering::Relaxed) % STRIPES
+    }
+
+    /// Gives `at` back, if it was held.
+    fn free(at: usize) {
+        if at < STRIPES {
+            HELD.fetch_and(!(1 << at), Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ThreadStripe {
+    fn drop(&mut self) {
+        Self::free(self.0.get());
+    }
 }
 
 /// One stripe of a count, alone on its cache lines (x86-64 fetches them in
@@ -234,5 +313,60 @@ impl fmt::Debug for RetryMetrics {
             .field("drain_cut", &self.drain_cut())
             .field("drain_refused", &self.drain_refused())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_living_threads_stripe_is_not_given_to_another_thread() {
+        let (stay, stop) = std::sync::mpsc::channel::<()>();
+        let (told, stripe) = std::sync::mpsc::channel();
+        let living = std::thread::spawn(move || {
+            told.send(thread_stripe()).unwrap();
+            stop.recv().unwrap();
+        });
+        let held = stripe.recv().unwrap();
+        // Threads that make a call each and end, one after the other: each
+        // takes a stripe and gives it back, and none takes the living one's.
+        let others: Vec<usize> = (0..4 * STRIPES)
+            .map(|_| std::thread::spawn(thread_stripe).join().unwrap())
+            .collect();
+        stay.send(()).unwrap();
+        living.join().unwrap();
+        assert!(!others.contains(&held), "{held} given again: {others:?}");
+        assert!(others.iter().all(|&at| at < STRIPES));
+    }
+
+    #[test]
+    fn a_call_counted_while_its_thread_ends_takes_a_stripe_all_the_same() {
+        struct AtEnd(std::sync::mpsc::Sender<usize>);
+        impl Drop for AtEnd {
+            fn drop(&mut self) {
+                let _ = self.0.send(thread_stripe());
+            }
+        }
+        thread_local! {
+            static AT_END: std::cell::RefCell<Option<AtEnd>> = const { std::cell::RefCell::new(None) };
+        }
+        let (tell, told) = std::sync::mpsc::channel();
+        for first in [false, true] {
+            let tell = tell.clone();
+            std::thread::spawn(move || {
+                // Before or after the thread took its stripe.
+                if first {
+                    thread_stripe();
+                }
+                AT_END.with(|at_end| *at_end.borrow_mut() = Some(AtEnd(tell)));
+            })
+            .join()
+            .unwrap();
+        }
+        drop(tell);
+        let stripes: Vec<usize> = told.iter().collect();
+        assert_eq!(stripes.len(), 2);
+        assert!(stripes.iter().all(|&at| at < STRIPES), "{stripes:?}");
     }
 }

@@ -481,8 +481,10 @@ pub(crate) enum Cap {
 /// Counted in [`STRIPES`] stripes, each alone on its cache lines, one per
 /// thread (as the attempts are counted): a copy reserves from the bytes the
 /// stripe of the thread that makes it was granted ahead, and gives them back
-/// to the stripe of the thread that drops it (most often the same), so the
-/// usual call writes no count that every thread writes. Only a stripe that
+/// to the stripe of the thread that drops it, so the usual call writes no
+/// count that every thread writes. (Where one thread makes the copies and
+/// another drops them, the bytes flow from one stripe to the other through
+/// the shared count: once a grain, not once a call.) Only a stripe that
 /// runs short, or holds more than it needs, touches the shared count (so
 /// does every copy larger than a grain, 64 KiB at the default limit, whose
 /// call copies and sends that much anyway). Every write of the shared count
