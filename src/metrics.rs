@@ -45,63 +45,74 @@ pub(crate) const STRIPES: usize = 16;
 ///
 /// A thread holds the lowest stripe no living thread holds, from its first
 /// call to its end, when the stripe is free again. With more than
-/// [`STRIPES`] threads calling at once, the others share stripes in turn.
-/// (A call made while its thread ends, by another thread-local's
-/// destructor, may count in a stripe given back already: correct, and only
-/// shared for that while.)
+/// [`STRIPES`] threads calling at once, the others share stripes in turn
+/// until one is free; so do the calls a thread's thread-local destructors
+/// make once its stripe is given back.
 #[inline]
 pub(crate) fn thread_stripe() -> usize {
-    // NOTE: read from a cell with no destructor (a thread-local with one is
-    // checked for it on every read); the stripe is given back by a second
-    // thread-local's, which is only set once.
-    thread_local! {
-        static STRIPE: Cell<usize> = const { Cell::new(UNSET) };
-    }
     STRIPE.with(|stripe| match stripe.get() {
-        UNSET => {
-            let at = ThreadStripe::hold();
-            stripe.set(at);
-            at
-        }
-        at => at,
+        at if at < STRIPES => at,
+        at => ThreadStripe::find(stripe, at),
     })
 }
 
 thread_local! {
+    /// The thread's stripe (see [`ThreadStripe`]), read on every call.
+    // NOTE: a cell with no destructor: a thread-local with one is checked
+    // for it on every read. The stripe is given back by `HOLDER`'s.
+    static STRIPE: Cell<usize> = const { Cell::new(UNSET) };
     /// Gives the thread's stripe back when the thread ends.
     static HOLDER: ThreadStripe = const { ThreadStripe(Cell::new(UNSET)) };
 }
 
-/// A thread's stripe: below [`STRIPES`], held by the thread alone and freed
-/// when it ends; from [`STRIPES`] on, shared in turn (that number modulo
-/// [`STRIPES`]).
+/// What a thread counts in: below [`STRIPES`], a stripe it holds alone,
+/// given back when it ends; from [`STRIPES`] on, a stripe shared in turn
+/// (that number modulo [`STRIPES`]) until one is free.
 struct ThreadStripe(Cell<usize>);
 
 /// No stripe taken yet.
 const UNSET: usize = usize::MAX;
 
+/// The thread's stripe is given back: it is ending, and the calls its other
+/// thread-locals' destructors make count in stripes shared in turn.
+const ENDED: usize = usize::MAX - 1;
+
 /// Which stripes living threads hold, one bit each.
 static HELD: AtomicUsize = AtomicUsize::new(0);
 
-/// The next stripe shared in turn, once every stripe is held.
+/// The next stripe shared in turn, while every stripe is held.
 static NEXT_SHARED: AtomicUsize = AtomicUsize::new(0);
 
 impl ThreadStripe {
-    /// The stripe this thread takes: held until it ends, if it can be
-    /// given back then.
+    /// The stripe for a thread with none of its own (`at`: none yet, one
+    /// shared in turn, or given back): the lowest no living thread holds,
+    /// held from now on, if there is one and the thread is not ending.
     #[cold]
-    fn hold() -> usize {
-        let at = Self::take();
-        if HOLDER.try_with(|holder| holder.0.set(at)).is_err() {
-            // The thread is ending: nothing would give a stripe back.
-            Self::free(at);
+    fn find(cell: &Cell<usize>, at: usize) -> usize {
+        if at == ENDED {
             return Self::shared();
         }
+        if let Some(own) = Self::take() {
+            if HOLDER.try_with(|holder| holder.0.set(own)).is_ok() {
+                cell.set(own);
+                return own;
+            }
+            // The thread is ending: nothing would give a stripe back.
+            Self::free(own);
+            cell.set(ENDED);
+            return Self::shared();
+        }
+        let at = if at == UNSET {
+            STRIPES + Self::shared()
+        } else {
+            at
+        };
+        cell.set(at);
         at % STRIPES
     }
 
-    /// The lowest stripe no living thread holds, or one shared in turn.
-    fn take() -> usize {
+    /// The lowest stripe no living thread holds, now held.
+    fn take() -> Option<usize> {
         let all = (1usize << STRIPES) - 1;
         let mut held = HELD.load(Ordering::Relaxed);
         while held & all != all {
@@ -112,11 +123,11 @@ impl ThreadStripe {
                 Ordering::Relaxed,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => return at,
+                Ok(_) => return Some(at),
                 Err(now) => held = now,
             }
         }
-        STRIPES + Self::shared()
+        None
     }
 
     /// A stripe shared in turn.
@@ -135,6 +146,9 @@ impl ThreadStripe {
 impl Drop for ThreadStripe {
     fn drop(&mut self) {
         Self::free(self.0.get());
+        // Calls made after this, by the thread's other thread-locals'
+        // destructors, no longer count in the stripe given back.
+        let _ = STRIPE.try_with(|stripe| stripe.set(ENDED));
     }
 }
 
@@ -368,5 +382,45 @@ mod tests {
         let stripes: Vec<usize> = told.iter().collect();
         assert_eq!(stripes.len(), 2);
         assert!(stripes.iter().all(|&at| at < STRIPES), "{stripes:?}");
+    }
+
+    #[test]
+    fn a_thread_sharing_a_stripe_takes_one_of_its_own_once_one_is_free() {
+        std::thread::spawn(|| {
+            // As if its first call came while every stripe was held.
+            STRIPE.with(|stripe| stripe.set(STRIPES + 3));
+            let at = thread_stripe();
+            assert!(at < STRIPES);
+            assert_eq!(STRIPE.with(Cell::get), at, "held from now on");
+            assert_ne!(HELD.load(Ordering::Relaxed) & 1 << at, 0);
+            assert_eq!(thread_stripe(), at);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn calls_made_once_the_stripe_is_given_back_count_in_stripes_shared_in_turn() {
+        struct AtEnd(std::sync::mpsc::Sender<(usize, usize)>);
+        impl Drop for AtEnd {
+            fn drop(&mut self) {
+                // Registered before the thread's first call, so dropped
+                // after the stripe's holder.
+                let _ = self.0.send((STRIPE.with(Cell::get), thread_stripe()));
+            }
+        }
+        thread_local! {
+            static AT_END: std::cell::RefCell<Option<AtEnd>> = const { std::cell::RefCell::new(None) };
+        }
+        let (tell, told) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            AT_END.with(|at_end| *at_end.borrow_mut() = Some(AtEnd(tell)));
+            thread_stripe();
+        })
+        .join()
+        .unwrap();
+        let (cell, at) = told.recv().unwrap();
+        assert_eq!(cell, ENDED, "the stripe given back is not counted in");
+        assert!(at < STRIPES);
     }
 }
