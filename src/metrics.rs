@@ -48,6 +48,12 @@ pub(crate) const STRIPES: usize = 16;
 /// [`STRIPES`] threads calling at once, the others share stripes in turn
 /// until one is free; so do the calls a thread's thread-local destructors
 /// make once its stripe is given back.
+///
+/// One case keeps a stripe held after its thread ends: a thread whose first
+/// call comes from a destructor that runs after Rust's thread-locals are
+/// gone (one the C library runs at thread exit, registered with
+/// `pthread_key_create`), since nothing then runs the holder's destructor.
+/// Counts stay exact; once all stripes are held so, threads share them.
 #[inline]
 pub(crate) fn thread_stripe() -> usize {
     STRIPE.with(|stripe| match stripe.get() {
