@@ -238,6 +238,7 @@ mod service;
 pub mod service_config;
 mod shared;
 mod status;
+mod stripes;
 mod throttle;
 mod trace;
 

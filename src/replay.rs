@@ -50,6 +50,7 @@ use http_body::{Body, Frame, SizeHint};
 use tower::BoxError;
 
 use crate::marks::{PickSlot, PickedInstance};
+use crate::stripes::{Padded, STRIPES};
 
 /// A request body shared by every attempt of one call; see the
 /// [module docs](self).
@@ -499,18 +500,8 @@ pub(crate) struct ReplayMemory {
     /// Taken to grant bytes, and to refuse a copy.
     granting: Mutex<()>,
     /// Per stripe: bytes granted and held by no copy.
-    spare: [Spare; STRIPES],
+    spare: [Padded<AtomicUsize>; STRIPES],
 }
-
-/// How many stripes the layer's memory is counted in (as many as the
-/// attempts).
-pub(crate) const STRIPES: usize = crate::metrics::STRIPES;
-
-/// A stripe's spare bytes, alone on its cache lines (x86-64 fetches them in
-/// pairs).
-#[derive(Default)]
-#[repr(align(128))]
-struct Spare(AtomicUsize);
 
 impl ReplayMemory {
     /// grpc-java's retry buffer size.
@@ -2295,7 +2286,7 @@ mod tests {
                 .iter()
                 .map(|s| s.0.load(Ordering::Relaxed))
                 .collect();
-            let mine = crate::metrics::thread_stripe();
+            let mine = crate::stripes::thread_stripe();
             assert!(spare[mine] > 0, "the thread's stripe holds bytes ahead");
             assert_eq!(
                 spare.iter().filter(|&&s| s > 0).count(),

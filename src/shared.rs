@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use crate::methods::MethodPolicies;
+use crate::metrics::Event;
 use crate::metrics::RetryMetrics;
-use crate::metrics::{Event, thread_stripe};
 use crate::replay::{Account, ReplayMemory};
+use crate::stripes::thread_stripe;
 use crate::trace::{Gauged, NoMetrics, Record, Trace};
 
 /// The policies, the budget and the counters of one layer: every service the
