@@ -50,7 +50,7 @@ use http_body::{Body, Frame, SizeHint};
 use tower::BoxError;
 
 use crate::marks::{PickSlot, PickedInstance};
-use crate::stripes::{Padded, STRIPES};
+use crate::stripes::{Padded, STRIPES, thread_stripe};
 
 /// A request body shared by every attempt of one call; see the
 /// [module docs](self).
@@ -638,31 +638,29 @@ impl fmt::Debug for ReplayMemory {
 /// handle of the service that made the call (`shared::Local`), so that
 /// holding it moves no count every thread writes.
 pub(crate) trait Account: Send + Sync {
-    /// The layer's memory, and the stripe to count in now: the calling
-    /// thread's.
-    fn memory(&self) -> (&ReplayMemory, usize);
+    fn memory(&self) -> &ReplayMemory;
 }
 
 impl dyn Account {
-    /// Takes `bytes` in the layer's memory if they fit.
+    /// Takes `bytes` in the layer's memory, in the calling thread's stripe,
+    /// if they fit.
     #[inline]
     fn try_reserve(&self, bytes: usize) -> bool {
-        let (memory, stripe) = self.memory();
-        memory.try_reserve(stripe, bytes)
+        self.memory().try_reserve(thread_stripe(), bytes)
     }
 
-    /// Gives back `bytes` taken in the layer's memory.
+    /// Gives back `bytes` taken in the layer's memory, to the calling
+    /// thread's stripe.
     #[inline]
     fn release(&self, bytes: usize) {
-        let (memory, stripe) = self.memory();
-        memory.release(stripe, bytes);
+        self.memory().release(thread_stripe(), bytes);
     }
 }
 
 #[cfg(test)]
 impl Account for ReplayMemory {
-    fn memory(&self) -> (&ReplayMemory, usize) {
-        (self, 0)
+    fn memory(&self) -> &ReplayMemory {
+        self
     }
 }
 
@@ -1389,7 +1387,7 @@ impl<B> Shared<B> {
     fn cap(&mut self, cap: Cap) {
         tracing::debug!(
             limit = self.limit,
-            layer_limit = self.memory.as_ref().map(|m| m.memory().0.limit()),
+            layer_limit = self.memory.as_ref().map(|m| m.memory().limit()),
             ?cap,
             "request body outgrew a replay limit; the call will not be retried"
         );
@@ -2286,7 +2284,7 @@ mod tests {
                 .iter()
                 .map(|s| s.0.load(Ordering::Relaxed))
                 .collect();
-            let mine = crate::stripes::thread_stripe();
+            let mine = thread_stripe();
             assert!(spare[mine] > 0, "the thread's stripe holds bytes ahead");
             assert_eq!(
                 spare.iter().filter(|&&s| s > 0).count(),

@@ -6,7 +6,6 @@ use crate::methods::MethodPolicies;
 use crate::metrics::Event;
 use crate::metrics::RetryMetrics;
 use crate::replay::{Account, ReplayMemory};
-use crate::stripes::thread_stripe;
 use crate::trace::{Gauged, NoMetrics, Record, Trace};
 
 /// The policies, the budget and the counters of one layer: every service the
@@ -126,8 +125,8 @@ impl<Bu, M> std::ops::Deref for Local<Bu, M> {
 
 impl<Bu: Send + Sync, M: Send + Sync> Account for Local<Bu, M> {
     #[inline]
-    fn memory(&self) -> (&ReplayMemory, usize) {
-        (&self.shared.replay_memory, thread_stripe())
+    fn memory(&self) -> &ReplayMemory {
+        &self.shared.replay_memory
     }
 }
 
