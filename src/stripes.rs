@@ -160,33 +160,33 @@ mod tests {
     }
 
     #[test]
-    fn a_call_counted_while_its_thread_ends_takes_a_stripe_all_the_same() {
-        struct AtEnd(std::sync::mpsc::Sender<usize>);
+    fn a_first_call_made_while_its_thread_ends_holds_a_stripe_it_gives_back() {
+        struct AtEnd(std::sync::mpsc::Sender<(usize, usize, usize)>);
         impl Drop for AtEnd {
             fn drop(&mut self) {
-                let _ = self.0.send(thread_stripe());
+                let at = thread_stripe();
+                let cell = STRIPE.with(Cell::get);
+                let held = HOLDER.try_with(|holder| holder.0.get()).unwrap_or(UNSET);
+                let _ = self.0.send((at, cell, held));
             }
         }
         thread_local! {
             static AT_END: std::cell::RefCell<Option<AtEnd>> = const { std::cell::RefCell::new(None) };
         }
         let (tell, told) = std::sync::mpsc::channel();
-        for first in [false, true] {
-            let tell = tell.clone();
-            std::thread::spawn(move || {
-                // Before or after the thread took its stripe.
-                if first {
-                    thread_stripe();
-                }
-                AT_END.with(|at_end| *at_end.borrow_mut() = Some(AtEnd(tell)));
-            })
-            .join()
-            .unwrap();
-        }
-        drop(tell);
-        let stripes: Vec<usize> = told.iter().collect();
-        assert_eq!(stripes.len(), 2);
-        assert!(stripes.iter().all(|&at| at < STRIPES), "{stripes:?}");
+        // The thread's first call is made by a thread-local's destructor.
+        std::thread::spawn(move || {
+            AT_END.with(|at_end| *at_end.borrow_mut() = Some(AtEnd(tell)));
+        })
+        .join()
+        .unwrap();
+        let (at, cell, held) = told.recv().unwrap();
+        assert!(at < STRIPES);
+        assert_eq!(
+            (cell, held),
+            (at, at),
+            "(the thread's cell, its holder): the stripe is its own, and given back at its end"
+        );
     }
 
     #[test]
