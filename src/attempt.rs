@@ -25,7 +25,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::budget::Budget;
-use http::{Request, Response};
+use http::{Request, Response, request};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower::BoxError;
@@ -286,15 +286,40 @@ where
     Bu: Budget,
     M: Metrics,
 {
-    /// Sends the call's first attempt through `readied`, the instance the
-    /// caller polled ready (or on its way to it), which stays the caller's.
+    /// Sends the call's first attempt, the request of `head` and `body`,
+    /// through `readied`, the instance the caller polled ready (or on its way
+    /// to it), which stays the caller's.
+    // NOTE: the common first attempt (its instance ready, no limit to write
+    // into its headers, no hedging, so nothing to drain) is sent as it is:
+    // made a request of the caller's body type once, not first a request of
+    // the replayed body, moved again to be mapped (BENCHMARKS.md, "The first
+    // attempt sent from its parts").
     #[inline(always)]
     pub(crate) fn call_first(
         &mut self,
         readied: &mut S,
-        req: Request<ReplayBody<B>>,
+        mut head: request::Parts,
+        body: ReplayBody<B>,
     ) -> AttemptFuture<S, B, Bu, M> {
-        self.attempt(Some(readied), req)
+        let plain = self.first
+            && self.ready
+            && !self.hedge
+            && !self.drainable
+            && self.limits.deadline.is_none()
+            && self.limits.attempt_timeout.is_none();
+        if !plain {
+            return self.attempt(Some(readied), Request::from_parts(head, body));
+        }
+        self.first = false;
+        self.ready = false;
+        if self.report {
+            head.extensions.insert(body.picked_instance());
+        }
+        let traced = self.trace.attempt();
+        let future = readied.call(Request::from_parts(head, B::from(body)));
+        self.inner = Some(readied.clone());
+        let state = State::Called { future };
+        AttemptFuture::new(state, self.into_box, None, None, traced)
     }
 
     /// An attempt; the call's first goes through `readied`, the caller's

@@ -18,7 +18,7 @@ use std::time::Duration;
 use crate::budget::Budget;
 use http::{
     Extensions, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri,
-    Version,
+    Version, request,
 };
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
@@ -263,20 +263,21 @@ impl Drop for HeaderList {
 }
 
 impl<B> FirstCopy<B> {
-    /// A copy of `req`, its body a clone that reads it again from its start.
+    /// A copy of the request of `head` and `body`, its body a clone that
+    /// reads it again from its start.
     #[inline(always)]
-    fn of(req: &Request<ReplayBody<B>>) -> Self {
-        let mut headers = HeaderList::with_capacity(req.headers().len());
-        for (name, value) in req.headers() {
+    fn of(head: &request::Parts, body: &ReplayBody<B>) -> Self {
+        let mut headers = HeaderList::with_capacity(head.headers.len());
+        for (name, value) in &head.headers {
             headers.0.push((name.clone(), value.clone()));
         }
         Self {
-            method: req.method().clone(),
-            uri: req.uri().clone(),
-            version: req.version(),
+            method: head.method.clone(),
+            uri: head.uri.clone(),
+            version: head.version,
             headers,
-            extensions: req.extensions().clone(),
-            body: req.body().clone(),
+            extensions: head.extensions.clone(),
+            body: body.clone(),
         }
     }
 
@@ -675,8 +676,12 @@ where
     /// first attempt runs; none for a hedged call, whose hedge driver makes
     /// its attempts, so that its one outcome is handed over as it is.
     #[inline(always)]
-    pub(crate) fn first_copy<B>(&self, req: &Request<ReplayBody<B>>) -> Option<FirstCopy<B>> {
-        (!self.hedged).then(|| FirstCopy::of(req))
+    pub(crate) fn first_copy<B>(
+        &self,
+        head: &request::Parts,
+        body: &ReplayBody<B>,
+    ) -> Option<FirstCopy<B>> {
+        (!self.hedged).then(|| FirstCopy::of(head, body))
     }
 
     /// The decision after an attempt of the request `req` is a copy of,
@@ -1070,7 +1075,8 @@ mod tests {
     #[test]
     fn the_first_copy_reads_and_marks_as_a_request_does() {
         let req = request();
-        let mut copy = FirstCopy::of(&req);
+        let (head, body) = req.clone().into_parts();
+        let mut copy = FirstCopy::of(&head, &body);
         let mut same = req.clone();
         let tag = HeaderName::from_static("x-tag");
         assert_eq!(

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use crate::budget::Budget;
-use http::{Request, Response};
+use http::{Request, Response, request};
 use pin_project_lite::pin_project;
 use tokio_util::sync::DropGuard;
 use tower_service::Service;
@@ -119,12 +119,12 @@ where
         call: CallPolicy<Bu, M>,
         mut attempt: Attempt<S, B, Bu, M>,
         readied: &mut S,
-        req: Request<ReplayBody<B>>,
+        (head, body): (request::Parts, ReplayBody<B>),
         end: CallEnd<M>,
         cancel: Option<DropGuard>,
     ) -> Self {
-        let copy = call.first_copy(&req);
-        let future = attempt.call_first(readied, req);
+        let copy = call.first_copy(&head, &body);
+        let future = attempt.call_first(readied, head, body);
         let retry = copy.map(|copy| Retry {
             copy,
             call,

@@ -306,7 +306,6 @@ where
         } else {
             ReplayBody::unreplayable(body)
         };
-        let req = Request::from_parts(parts, body);
 
         // NOTE: the first attempt goes through the instance `poll_ready`
         // polled (ready, or on its way to it), which stays here, as a call
@@ -336,7 +335,7 @@ where
             call,
             attempt,
             &mut self.inner,
-            req,
+            (parts, body),
             CallEnd::new(trace),
             cancel,
         )
