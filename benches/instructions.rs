@@ -5,7 +5,8 @@
 //! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`, `c-no-report`
 //! (no idempotency key, and no instance ids learnt, so no balancer's report
 //! slot on the attempt), `c-per-method` (per-method policies: 8 services, 33
-//! methods), `c-clone` (`c` cloned for each call and the clone called with
+//! methods), `c-deadline` (`c` with a total timeout of 10 s, so every
+//! attempt carries `grpc-timeout`), `c-clone` (`c` cloned for each call and the clone called with
 //! `oneshot`, as tonic's generated clients are cloned for each call, and as
 //! `b` clones tower's `Retry` for each); the same stacks and
 //! request as `--bench overhead`. (`c` recording gRPC's standard metrics is
@@ -25,6 +26,8 @@
 mod common;
 
 use common::*;
+use std::time::Duration;
+
 use tonic_retry::RetryPolicy;
 use tower::ServiceExt;
 
@@ -46,13 +49,17 @@ fn main() {
                 timed(layered(inner_ok(), policy), n, payload).await
             }
             "c-per-method" => timed(layered_per_method(inner_ok()), n, payload).await,
+            "c-deadline" => {
+                let policy = RetryPolicy::default().with_total_timeout(Duration::from_secs(10));
+                timed(layered(inner_ok(), policy), n, payload).await
+            }
             "c-clone" => {
                 let svc = layered(inner_ok(), RetryPolicy::default());
                 let each = tower::service_fn(move |req| svc.clone().oneshot(req));
                 timed(each, n, payload).await
             }
             other => panic!(
-                "STACK must be a, b, c, c-no-key, c-no-report, c-per-method or c-clone (c-otel is --bench instructions_otel), not {other:?}"
+                "STACK must be a, b, c, c-no-key, c-no-report, c-per-method, c-deadline or c-clone (c-otel is --bench instructions_otel), not {other:?}"
             ),
         }
     });

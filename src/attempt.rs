@@ -25,7 +25,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::budget::Budget;
-use http::{Request, Response, request};
+use http::{HeaderMap, Request, Response, request};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower::BoxError;
@@ -289,27 +289,39 @@ where
     /// Sends the call's first attempt, the request of `head` and `body`,
     /// through `readied`, the instance the caller polled ready (or on its way
     /// to it), which stays the caller's.
-    // NOTE: the common first attempt (its instance ready, no limit to write
-    // into its headers, no hedging, so nothing to drain) is sent as it is:
-    // made a request of the caller's body type once, not first a request of
-    // the replayed body, moved again to be mapped (BENCHMARKS.md, "The first
-    // attempt sent from its parts").
+    /// `started` is when the call read the clock to set its deadline, if
+    /// it did: the attempt, sent now, starts then.
+    // NOTE: the common first attempt (its instance ready, no hedging, no
+    // per-attempt timeout, so nothing to drain, and time left) is sent as it
+    // is: made a request of the caller's body type once, not first a request
+    // of the replayed body, moved again to be mapped (BENCHMARKS.md, "The
+    // first attempt sent from its parts"). It does what `attempt` does for
+    // it; any other goes there.
     #[inline(always)]
     pub(crate) fn call_first(
         &mut self,
         readied: &mut S,
         mut head: request::Parts,
         body: ReplayBody<B>,
+        started: Option<Instant>,
     ) -> AttemptFuture<S, B, Bu, M> {
         let plain = self.first
             && self.ready
             && !self.hedge
             && !self.drainable
-            && self.limits.deadline.is_none()
             && self.limits.attempt_timeout.is_none();
         if !plain {
             return self.attempt(Some(readied), Request::from_parts(head, body));
         }
+        let deadline = self.limits.deadline;
+        if let Some(at) = deadline {
+            let now = started.unwrap_or_else(Instant::now);
+            if at <= now {
+                return self.attempt(Some(readied), Request::from_parts(head, body));
+            }
+            set_timeout(&mut head.headers, deadline, now);
+        }
+        let cut = deadline.map(|at| (at, Cut::Deadline));
         self.first = false;
         self.ready = false;
         if self.report {
@@ -319,7 +331,7 @@ where
         let future = readied.call(Request::from_parts(head, B::from(body)));
         self.inner = Some(readied.clone());
         let state = State::Called { future };
-        AttemptFuture::new(state, self.into_box, None, None, traced)
+        AttemptFuture::new(state, self.into_box, cut, deadline, traced)
     }
 
     /// An attempt; the call's first goes through `readied`, the caller's
@@ -388,7 +400,7 @@ where
                 let failure = Failure::Cut { why, sent: false };
                 return AttemptFuture::failed(failure, self.into_box);
             }
-            set_timeout(&mut req, deadline, now);
+            set_timeout(req.headers_mut(), deadline, now);
         }
         let traced = self.trace.attempt();
         if let Some(drain) = drain.as_mut() {
@@ -615,11 +627,10 @@ fn sent<W, F, H>(future: F, drain: DrainWith<F>) -> State<W, F, H> {
 /// the server answers for the same limit, and that answer would cross the
 /// reset. The layer cuts an attempt at its own limit and drains it, so the
 /// stream ends by the server's answer (or at the deadline).
-fn set_timeout<B>(req: &mut Request<B>, deadline: Option<Instant>, now: Instant) {
+fn set_timeout(headers: &mut HeaderMap, deadline: Option<Instant>, now: Instant) {
     if let Some(deadline) = deadline {
         let left = deadline.saturating_duration_since(now);
-        req.headers_mut()
-            .insert(GRPC_TIMEOUT, format_grpc_timeout(left));
+        headers.insert(GRPC_TIMEOUT, format_grpc_timeout(left));
     }
 }
 
@@ -879,7 +890,7 @@ fn send<B, Bu: Budget, M: Metrics>(
                 sent: false,
             });
         }
-        set_timeout(req, deadline, now);
+        set_timeout(req.headers_mut(), deadline, now);
     }
     if let Some(shared) = retry {
         // The copy may have been dropped since the retry was decided: the

@@ -769,7 +769,6 @@ where
             state.sent += 1;
             self.shared.count_attempt();
         }
-        let remaining = state.remaining();
         let verdict = match &*result {
             Ok(response) => {
                 classify_response(response.status(), response.headers(), policy.retryable)
@@ -791,6 +790,13 @@ where
         let failed_instance = match verdict {
             Verdict::Retryable { .. } => instance(result, header, picked.as_ref()),
             _ => None,
+        };
+        // The time left decides only a failure's retry: a success reads the
+        // clock for its event alone, and only if that is recorded.
+        let remaining = if verdict.is_success() {
+            None
+        } else {
+            state.remaining()
         };
         // NOTE: a success is decided here, not in `decide`, whose checks
         // before it concern only failures (an answer is never out of time):
@@ -843,7 +849,7 @@ where
                 .unwrap_or("-"),
             key = key(req),
             delay = ?decision.delay(),
-            remaining = ?remaining,
+            remaining = ?remaining.or_else(|| state.remaining()),
             tokens = budget.balance().unwrap_or(f64::NAN),
             marked,
             "{}",

@@ -12,16 +12,19 @@ use tokio::time::{Instant, Sleep};
 pub(crate) const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
 /// The largest number the header may carry.
-const MAX_DIGITS_VALUE: u128 = 99_999_999;
+const MAX_DIGITS_VALUE: u64 = 99_999_999;
+
+/// An hour in nanoseconds.
+const HOUR_NANOS: u64 = 3_600 * 1_000_000_000;
 
 /// Units from finest to coarsest, with their length in nanoseconds.
-const UNITS: [(u8, u128); 6] = [
+const UNITS: [(u8, u64); 6] = [
     (b'n', 1),
     (b'u', 1_000),
     (b'm', 1_000_000),
     (b'S', 1_000_000_000),
     (b'M', 60 * 1_000_000_000),
-    (b'H', 3_600 * 1_000_000_000),
+    (b'H', HOUR_NANOS),
 ];
 
 /// A timer for a limit at `at`.
@@ -61,17 +64,27 @@ pub(crate) fn parse_grpc_timeout(value: &HeaderValue) -> Option<Duration> {
 /// before the layer's own deadline does: the layer's timer fires first and the
 /// caller sees `DEADLINE_EXCEEDED` rather than the peer's cancellation.
 pub(crate) fn format_grpc_timeout(timeout: Duration) -> HeaderValue {
+    // NOTE: in 64 bits: a 128-bit division is a library call, made once per
+    // unit tried.
     let nanos = timeout.as_nanos();
-    let (unit, count) = UNITS
-        .iter()
-        .map(|&(unit, len)| (unit, nanos.div_ceil(len)))
-        .find(|&(_, count)| count <= MAX_DIGITS_VALUE)
-        // Longer than 99,999,999 hours (over 11,000 years): say the most we can.
-        .unwrap_or((b'H', MAX_DIGITS_VALUE));
+    let (unit, count) = match u64::try_from(nanos) {
+        Ok(nanos) => UNITS
+            .iter()
+            .map(|&(unit, len)| (unit, nanos.div_ceil(len)))
+            .find(|&(_, count)| count <= MAX_DIGITS_VALUE)
+            .unwrap_or((b'H', MAX_DIGITS_VALUE)),
+        // Past 2^64 nanoseconds (some 584 years) only hours can fit; past
+        // 99,999,999 hours (over 11,000 years), say the most we can.
+        Err(_) => {
+            let hours = nanos.div_ceil(u128::from(HOUR_NANOS));
+            let hours = u64::try_from(hours).unwrap_or(MAX_DIGITS_VALUE);
+            (b'H', hours.min(MAX_DIGITS_VALUE))
+        }
+    };
+    let mut rest = count;
     let mut buf = [0u8; 9];
     let mut at = buf.len() - 1;
     buf[at] = unit;
-    let mut rest = count;
     loop {
         at -= 1;
         buf[at] = b'0' + (rest % 10) as u8;
