@@ -40,7 +40,7 @@ use crate::marks::AlreadyTried;
 use crate::metrics::{Event, RetryMetrics};
 use crate::replay::{Lingering, ReplayBody, ReplayError};
 use crate::shared::Local;
-use crate::status::{GRPC_STATUS, code_at_headers};
+use crate::status::{StatusHeaders, code_at_headers};
 use crate::trace::{AttemptRecord, AttemptTrace, CallRecord, Metrics, NoMetrics, Trace};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
@@ -949,7 +949,7 @@ fn outcome<RB, M: Metrics>(
             // NOTE: an attempt has a cut whenever the call has a deadline or
             // an attempt timeout; a call with neither looks up nothing here.
             let status = match cut {
-                Some(_) => response.headers().get(GRPC_STATUS),
+                Some(_) => StatusHeaders::of(response.headers()).status,
                 None => None,
             };
             // A tonic server answers CANCELLED when the `grpc-timeout` we sent

@@ -16,14 +16,13 @@ use base64::Engine as _;
 use base64::alphabet;
 use base64::engine::DecodePaddingMode;
 use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig};
-use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use prost::Message as _;
 use tonic::Code;
 
 use crate::policy::{RetryWhen, RetryableCodes};
 use crate::status::{
-    GRPC_MESSAGE, GRPC_RETRY_PUSHBACK, GRPC_STATUS, GRPC_STATUS_DETAILS, code_as_tonic_reads,
+    GRPC_RETRY_PUSHBACK, GRPC_STATUS_DETAILS, StatusHeaders, code_as_tonic_reads,
     code_for_http_status,
 };
 
@@ -82,21 +81,11 @@ pub(crate) fn classify_response(
     headers: &HeaderMap,
     retryable: RetryableCodes,
 ) -> Verdict {
-    // One pass finds both headers the common case needs: custom header names
-    // are hashed byte by byte, so two lookups would cost more than the scan
-    // of a response's few headers.
-    let mut grpc_status = None;
-    let mut grpc_message = None;
-    let mut content_type = None;
-    for (name, value) in headers {
-        if name == GRPC_STATUS {
-            grpc_status = grpc_status.or(Some(value));
-        } else if name == GRPC_MESSAGE {
-            grpc_message = grpc_message.or(Some(value));
-        } else if name == CONTENT_TYPE {
-            content_type = content_type.or(Some(value));
-        }
-    }
+    let StatusHeaders {
+        status: grpc_status,
+        message: grpc_message,
+        content_type,
+    } = StatusHeaders::of(headers);
     let code = match grpc_status {
         // As tonic's client reads it: only the canonical forms (`14`, never
         // `014`, `+14` or ` 14`) are codes, and a message it cannot decode

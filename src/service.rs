@@ -272,9 +272,7 @@ where
         // The clock is read once for the call: the first attempt, sent now,
         // starts when the deadline was set.
         let started = timeout.map(|_| Instant::now());
-        let deadline = timeout
-            .zip(started)
-            .and_then(|(t, now)| now.checked_add(t));
+        let deadline = timeout.zip(started).and_then(|(t, now)| now.checked_add(t));
 
         // A key the caller set is kept on every attempt; an empty one is no
         // key (unrelated calls would share one dedup slot) and is replaced.

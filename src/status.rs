@@ -1,6 +1,7 @@
 //! gRPC status on the wire: the header names the layer reads and writes, and
 //! the Trailers-Only responses it answers with when it ends a call itself.
 
+use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tonic::Code;
 
@@ -11,6 +12,38 @@ pub(crate) const GRPC_STATUS_DETAILS: HeaderName =
 /// `grpc-retry-pushback-ms`, as a `&str` for tonic's metadata map.
 pub(crate) const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 pub(crate) const GRPC_RETRY_PUSHBACK: HeaderName = HeaderName::from_static(RETRY_PUSHBACK);
+
+/// The headers a response's gRPC status is read from, each its first value,
+/// found in one pass.
+// NOTE: a lookup of a custom header name (`grpc-status`) hashes it byte by
+// byte, which costs more than comparing the few headers a response has.
+#[derive(Clone, Copy)]
+pub(crate) struct StatusHeaders<'a> {
+    pub(crate) status: Option<&'a HeaderValue>,
+    pub(crate) message: Option<&'a HeaderValue>,
+    pub(crate) content_type: Option<&'a HeaderValue>,
+}
+
+impl<'a> StatusHeaders<'a> {
+    #[inline]
+    pub(crate) fn of(headers: &'a HeaderMap) -> Self {
+        let (mut status, mut message, mut content_type) = (None, None, None);
+        for (name, value) in headers {
+            if name == GRPC_STATUS {
+                status = status.or(Some(value));
+            } else if name == GRPC_MESSAGE {
+                message = message.or(Some(value));
+            } else if name == CONTENT_TYPE {
+                content_type = content_type.or(Some(value));
+            }
+        }
+        Self {
+            status,
+            message,
+            content_type,
+        }
+    }
+}
 
 /// A gRPC Trailers-Only response carrying a status the layer decided itself:
 /// HTTP 200, `content-type: application/grpc`, `grpc-status`, `grpc-message`.
@@ -57,10 +90,11 @@ pub(crate) fn code_for_http_status(status: StatusCode) -> Code {
 /// `None` for a gRPC response whose body's trailers will say.
 #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
 pub(crate) fn code_at_headers(status: StatusCode, headers: &HeaderMap) -> Option<Code> {
-    match headers.get(GRPC_STATUS) {
-        Some(code) => Some(code_as_tonic_reads(code, headers.get(GRPC_MESSAGE))),
+    let found = StatusHeaders::of(headers);
+    match found.status {
+        Some(code) => Some(code_as_tonic_reads(code, found.message)),
         None if status != StatusCode::OK => Some(code_for_http_status(status)),
-        None if crate::classify::is_grpc(headers.get(http::header::CONTENT_TYPE)) => None,
+        None if crate::classify::is_grpc(found.content_type) => None,
         None => Some(Code::Unknown),
     }
 }
