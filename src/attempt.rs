@@ -289,8 +289,6 @@ where
     /// Sends the call's first attempt, the request of `head` and `body`,
     /// through `readied`, the instance the caller polled ready (or on its way
     /// to it), which stays the caller's.
-    /// `started` is when the call read the clock to set its deadline, if
-    /// it did: the attempt, sent now, starts then.
     // NOTE: the common first attempt (its instance ready, no hedging, no
     // per-attempt timeout, so nothing to drain, and time left) is sent as it
     // is: made a request of the caller's body type once, not first a request
@@ -303,7 +301,6 @@ where
         readied: &mut S,
         mut head: request::Parts,
         body: ReplayBody<B>,
-        started: Option<Instant>,
     ) -> AttemptFuture<S, B, Bu, M> {
         let plain = self.first
             && self.ready
@@ -315,7 +312,10 @@ where
         }
         let deadline = self.limits.deadline;
         if let Some(at) = deadline {
-            let now = started.unwrap_or_else(Instant::now);
+            // NOTE: read now, not where the call set its deadline: reading
+            // the caller's body at once (its message encoded), in between,
+            // is time the deadline counts.
+            let now = Instant::now();
             if at <= now {
                 return self.attempt(Some(readied), Request::from_parts(head, body));
             }

@@ -8,7 +8,6 @@ use std::task::{Context, Poll, ready};
 use crate::budget::Budget;
 use http::{Request, Response, request};
 use pin_project_lite::pin_project;
-use tokio::time::Instant;
 use tokio_util::sync::DropGuard;
 use tower_service::Service;
 
@@ -110,7 +109,6 @@ where
     /// The call of the request of `head` and `body`: its first attempt sent
     /// now through `attempt` on `readied`, the instance the caller polled,
     /// and its retries, if `call` asks for them, through tower's `Retry`.
-    /// `started` is when the call read the clock for its deadline, if it did.
     // NOTE: what tower's `Retry::call` does for the first attempt (keep a
     // copy, send the request), without building a `Retry` to clone into the
     // future and drop: a call that succeeds at once never needs one. The
@@ -122,12 +120,11 @@ where
         mut attempt: Attempt<S, B, Bu, M>,
         readied: &mut S,
         (head, body): (request::Parts, ReplayBody<B>),
-        started: Option<Instant>,
         end: CallEnd<M>,
         cancel: Option<DropGuard>,
     ) -> Self {
         let copy = call.first_copy(&head, &body);
-        let future = attempt.call_first(readied, head, body, started);
+        let future = attempt.call_first(readied, head, body);
         let retry = copy.map(|copy| Retry {
             copy,
             call,

@@ -269,10 +269,7 @@ where
             (Some(t), Some(max)) => Some(t.min(max)),
             (t, max) => t.or(max),
         };
-        // The clock is read once for the call: the first attempt, sent now,
-        // starts when the deadline was set.
-        let started = timeout.map(|_| Instant::now());
-        let deadline = timeout.zip(started).and_then(|(t, now)| now.checked_add(t));
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
 
         // A key the caller set is kept on every attempt; an empty one is no
         // key (unrelated calls would share one dedup slot) and is replaced.
@@ -339,7 +336,6 @@ where
             attempt,
             &mut self.inner,
             (parts, body),
-            started,
             CallEnd::new(trace),
             cancel,
         )

@@ -304,3 +304,74 @@ fn a_call_with_a_deadline_made_outside_a_runtime_is_sent_on_it() {
         assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
     });
 }
+
+/// A body whose one message takes `work` to make, on the thread that polls it
+/// (as tonic's client encodes its message when its body is first polled).
+struct SlowToEncode {
+    work: Duration,
+    done: bool,
+}
+
+impl http_body::Body for SlowToEncode {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if std::mem::replace(&mut self.done, true) {
+            return Poll::Ready(None);
+        }
+        std::thread::sleep(self.work);
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"\0\0\0\0\x01x")))))
+    }
+}
+
+/// A call with a deadline of `total` whose body takes `work` to read: when its
+/// first attempt was sent, if it was, counted from just before `call`, with the
+/// `grpc-timeout` it carried; and the code the caller read.
+async fn a_call_slow_to_encode(
+    total: Duration,
+    work: Duration,
+) -> (Option<(Duration, Duration)>, Code) {
+    let sent = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let seen = std::sync::Arc::clone(&sent);
+    let before = tokio::time::Instant::now();
+    let inner = tower::service_fn(move |req: Request<Body>| {
+        let header = req.headers()["grpc-timeout"].to_str().unwrap().to_owned();
+        *seen.lock().unwrap() = Some((before.elapsed(), parse_timeout(&header)));
+        async { Ok::<_, tower::BoxError>(answer(Code::Ok)) }
+    });
+    let policy = RetryPolicy::default().with_total_timeout(total);
+    let mut svc = RetryLayer::new(policy, budget()).layer(inner);
+    let mut req = request();
+    *req.body_mut() = Body::new(SlowToEncode { work, done: false });
+    let response = svc.ready().await.unwrap().call(req).await.unwrap();
+    let code = read_to_end(response).await;
+    let sent = *sent.lock().unwrap();
+    (sent, code)
+}
+
+// NOTE: these wait in real time, for a few tens of milliseconds: the time is
+// spent inside a body's poll, on the calling thread, which tokio's paused
+// clock cannot stand for.
+#[tokio::test]
+async fn a_body_slow_to_read_at_once_is_time_the_deadline_counts() {
+    let work = Duration::from_millis(30);
+    // Time left when the body is read: the first attempt says what is left.
+    let total = Duration::from_secs(10);
+    let (sent, code) = a_call_slow_to_encode(total, work).await;
+    let (at, header) = sent.expect("the first attempt is sent");
+    assert!(at >= work);
+    assert!(
+        header <= total - work,
+        "sent {at:?} into the call with grpc-timeout {header:?}"
+    );
+    assert_eq!(code, Code::Ok);
+
+    // None left: the attempt is not sent, and the caller reads the deadline.
+    let (sent, code) = a_call_slow_to_encode(Duration::from_millis(5), work).await;
+    assert_eq!(sent, None, "an attempt sent after the call's deadline");
+    assert_eq!(code, Code::DeadlineExceeded);
+}
