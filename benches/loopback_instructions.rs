@@ -19,7 +19,11 @@
 //! - `layer`: the client through `RetryLayer` with its defaults;
 //! - `layer-no-key`: the same, key generation off;
 //! - `layer-no-report`: the same, and no instance ids learnt, so no
-//!   balancer's report slot (`PickedInstance`) on the attempt.
+//!   balancer's report slot (`PickedInstance`) on the attempt;
+//! - `bare-timeout` and `layer-no-key-timeout`: `bare` and `layer-no-key`,
+//!   each call with a timeout of 10 s (tonic's `Request::set_timeout`, sent
+//!   as `grpc-timeout`, which the server keeps with a timer of its own, and
+//!   the layer with its deadline).
 //!
 //! The cost of one call is the difference between two runs, which cancels
 //! start-up and the connection's set-up:
@@ -45,9 +49,26 @@ use tower::ServiceBuilder;
 
 /// `n` calls, one after another, each with `key` if given.
 async fn calls<T>(
+    client: LibraryClient<T>,
+    n: u64,
+    key: Option<MetadataValue<tonic::metadata::Ascii>>,
+) where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<StdError>,
+    T::ResponseBody: Body<Data = Bytes> + Send + 'static,
+    <T::ResponseBody as Body>::Error: Into<StdError> + Send,
+{
+    calls_within(client, n, key, None).await
+}
+
+/// `n` calls, one after another, each with `key` if given, and each with a
+/// timeout of `timeout` (tonic's `Request::set_timeout`, sent as
+/// `grpc-timeout`) if given.
+async fn calls_within<T>(
     mut client: LibraryClient<T>,
     n: u64,
     key: Option<MetadataValue<tonic::metadata::Ascii>>,
+    timeout: Option<std::time::Duration>,
 ) where
     T: tonic::client::GrpcService<tonic::body::Body>,
     T::Error: Into<StdError>,
@@ -63,9 +84,15 @@ async fn calls<T>(
                 .metadata_mut()
                 .insert("x-idempotency-key", key.clone());
         }
+        if let Some(timeout) = timeout {
+            request.set_timeout(timeout);
+        }
         std::hint::black_box(client.get_book(request).await.expect("the server answers"));
     }
 }
+
+/// The timeout of the `-timeout` stacks' calls.
+const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn layer(policy: RetryPolicy) -> RetryLayer {
     RetryLayer::new(policy, RetryBudget::new(200, 0.1).expect("a budget"))
@@ -112,8 +139,14 @@ fn main() {
                 let svc = ServiceBuilder::new().layer(layer(policy)).service(channel);
                 calls(LibraryClient::new(svc), n, None).await
             }
+            "bare-timeout" => calls_within(bare, n, None, Some(TIMEOUT)).await,
+            "layer-no-key-timeout" => {
+                let policy = RetryPolicy::default().with_idempotency_key(false);
+                let svc = ServiceBuilder::new().layer(layer(policy)).service(channel);
+                calls_within(LibraryClient::new(svc), n, None, Some(TIMEOUT)).await
+            }
             other => panic!(
-                "STACK must be bare, bare-key, layer, layer-no-key or layer-no-report, not {other:?}"
+                "STACK must be bare, bare-key, layer, layer-no-key, layer-no-report, bare-timeout or layer-no-key-timeout, not {other:?}"
             ),
         }
     });

@@ -33,7 +33,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::classify::{is_timeout, status_in};
-use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_at};
+use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, format_repeating, timer_at};
 use crate::drain::{Drain, Drainer};
 use crate::hedge::HedgeFuture;
 use crate::marks::AlreadyTried;
@@ -75,6 +75,63 @@ impl Limits {
             return None;
         }
         self.cut_for(Instant::now())
+    }
+}
+
+/// What a call's first attempt says its time is, if it is sent at once.
+///
+/// An attempt says the time left to the call's deadline, rounded up, in
+/// `grpc-timeout`: a value that differs on every call, sent as a literal
+/// HPACK never indexes (name and value, Huffman-coded by the client and
+/// decoded, then allocated, by the server, on every call). A first attempt
+/// sent at once says the call's timeout itself instead, as tonic's own
+/// client does: the caller's header left as it is, or the layer's timeout
+/// (a policy's, the same on every call, so HPACK indexes it and sends it
+/// again as one byte). "At once" is within a thousandth of the timeout and
+/// at most a millisecond of the call setting its deadline: no more than
+/// that is added to the time the server is told, which is never less than
+/// the time left (BENCHMARKS.md, "The first attempt's `grpc-timeout`").
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FirstTimeout {
+    /// When the call set its deadline.
+    pub(crate) started: Instant,
+    /// The call's timeout: its deadline less `started`.
+    pub(crate) timeout: Duration,
+    /// The timeout is the caller's one `grpc-timeout` header, unchanged.
+    pub(crate) callers: bool,
+}
+
+impl FirstTimeout {
+    /// The most a first attempt sent at once may be sent after the call set
+    /// its deadline.
+    const AT_ONCE: Duration = Duration::from_millis(1);
+
+    /// Whether an attempt sent at `now` is sent at once.
+    fn at_once(&self, now: Instant) -> bool {
+        let since = now.saturating_duration_since(self.started);
+        since <= Self::AT_ONCE && since <= self.timeout / 1000
+    }
+}
+
+/// Writes the `grpc-timeout` of a call's first attempt, sent at `now`, under
+/// the call's `deadline`.
+// NOTE: out of line: inlined, it made `RetryService::call` large enough that
+// the compiler stopped inlining the header map's insert of the key, a cost
+// on every call.
+#[inline(never)]
+fn say_first_timeout(
+    headers: &mut HeaderMap,
+    timeout: Option<FirstTimeout>,
+    deadline: Instant,
+    now: Instant,
+) {
+    match timeout.filter(|first| first.at_once(now)) {
+        // The caller's header stays, as it is.
+        Some(FirstTimeout { callers: true, .. }) => {}
+        Some(first) => {
+            headers.insert(GRPC_TIMEOUT, format_repeating(first.timeout));
+        }
+        None => set_timeout(headers, Some(deadline), now),
     }
 }
 
@@ -288,7 +345,9 @@ where
 {
     /// Sends the call's first attempt, the request of `head` and `body`,
     /// through `readied`, the instance the caller polled ready (or on its way
-    /// to it), which stays the caller's.
+    /// to it), which stays the caller's. `timeout`, for a call with a
+    /// deadline, is what the attempt may say its time is if it is sent at
+    /// once (see [`FirstTimeout`]).
     // NOTE: the common first attempt (its instance ready, no hedging, no
     // per-attempt timeout, so nothing to drain, and time left) is sent as it
     // is: made a request of the caller's body type once, not first a request
@@ -301,6 +360,7 @@ where
         readied: &mut S,
         mut head: request::Parts,
         body: ReplayBody<B>,
+        timeout: Option<FirstTimeout>,
     ) -> AttemptFuture<S, B, Bu, M> {
         let plain = self.first
             && self.ready
@@ -319,7 +379,7 @@ where
             if at <= now {
                 return self.attempt(Some(readied), Request::from_parts(head, body));
             }
-            set_timeout(&mut head.headers, deadline, now);
+            say_first_timeout(&mut head.headers, timeout, at, now);
         }
         let cut = deadline.map(|at| (at, Cut::Deadline));
         self.first = false;

@@ -64,6 +64,16 @@ pub(crate) fn parse_grpc_timeout(value: &HeaderValue) -> Option<Duration> {
 /// before the layer's own deadline does: the layer's timer fires first and the
 /// caller sees `DEADLINE_EXCEEDED` rather than the peer's cancellation.
 pub(crate) fn format_grpc_timeout(timeout: Duration) -> HeaderValue {
+    let mut value = format_repeating(timeout);
+    // The time left differs on every attempt; keep it out of HPACK's dynamic
+    // table, where it would only evict the headers that repeat.
+    value.set_sensitive(true);
+    value
+}
+
+/// [`format_grpc_timeout`] for a value sent again and again (a policy's
+/// timeout): HPACK may index it, and then sends it as one byte.
+pub(crate) fn format_repeating(timeout: Duration) -> HeaderValue {
     // NOTE: in 64 bits: a 128-bit division is a library call, made once per
     // unit tried.
     let nanos = timeout.as_nanos();
@@ -93,12 +103,7 @@ pub(crate) fn format_grpc_timeout(timeout: Duration) -> HeaderValue {
             break;
         }
     }
-    let mut value = HeaderValue::from_bytes(&buf[at..])
-        .expect("digits and a unit letter are a valid header value");
-    // The time left differs on every attempt; keep it out of HPACK's dynamic
-    // table, where it would only evict the headers that repeat.
-    value.set_sensitive(true);
-    value
+    HeaderValue::from_bytes(&buf[at..]).expect("digits and a unit letter are a valid header value")
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use pin_project_lite::pin_project;
 use tokio_util::sync::DropGuard;
 use tower_service::Service;
 
-use crate::attempt::{Attempt, AttemptFuture};
+use crate::attempt::{Attempt, AttemptFuture, FirstTimeout};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
 use crate::call::{Backoff, CallPolicy, FirstCopy, failure_response};
@@ -120,11 +120,12 @@ where
         mut attempt: Attempt<S, B, Bu, M>,
         readied: &mut S,
         (head, body): (request::Parts, ReplayBody<B>),
+        timeout: Option<FirstTimeout>,
         end: CallEnd<M>,
         cancel: Option<DropGuard>,
     ) -> Self {
         let copy = call.first_copy(&head, &body);
-        let future = attempt.call_first(readied, head, body);
+        let future = attempt.call_first(readied, head, body, timeout);
         let retry = copy.map(|copy| Retry {
             copy,
             call,

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
-use crate::attempt::{Attempt, Limits};
+use crate::attempt::{Attempt, FirstTimeout, Limits};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
 use crate::call::CallPolicy;
@@ -244,12 +244,14 @@ where
         // owns: custom header names are hashed byte by byte, so a lookup
         // each would cost more than the scan.
         let mut timeout = None;
+        let mut timeouts = 0usize;
         let mut key = None;
         let mut previous_attempts = false;
         let mut already_tried = false;
         for (name, value) in &parts.headers {
             if name == GRPC_TIMEOUT {
                 timeout = timeout.or(Some(value));
+                timeouts += 1;
             } else if name == IDEMPOTENCY_KEY {
                 key = key.or(Some(value.is_empty()));
             } else if name == PREVIOUS_ATTEMPTS {
@@ -260,16 +262,27 @@ where
         }
 
         // One deadline for the whole call, on tokio's clock so tests can pause it.
-        let timeout = timeout
-            .and_then(parse_grpc_timeout)
-            .or(policy.total_timeout);
+        let callers = timeout.and_then(parse_grpc_timeout);
+        let timeout = callers.or(policy.total_timeout);
         // A per-method limit caps the caller's deadline, as gRPC's service
         // config `timeout` does.
         let timeout = match (timeout, policy.max_timeout) {
             (Some(t), Some(max)) => Some(t.min(max)),
             (t, max) => t.or(max),
         };
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let started = timeout.map(|_| Instant::now());
+        let deadline = timeout.zip(started).and_then(|(t, now)| now.checked_add(t));
+        // What the first attempt may say its time is, if it is sent at once:
+        // the caller's own header, when it alone set the deadline.
+        let first_timeout =
+            timeout
+                .zip(started)
+                .filter(|_| deadline.is_some())
+                .map(|(timeout, started)| FirstTimeout {
+                    started,
+                    timeout,
+                    callers: callers == Some(timeout) && timeouts == 1,
+                });
 
         // A key the caller set is kept on every attempt; an empty one is no
         // key (unrelated calls would share one dedup slot) and is replaced.
@@ -336,6 +349,7 @@ where
             attempt,
             &mut self.inner,
             (parts, body),
+            first_timeout,
             CallEnd::new(trace),
             cancel,
         )

@@ -184,10 +184,71 @@ async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
         assert!(parsed < last, "grpc-timeout did not shrink: {seen:?}");
         last = parsed;
     }
-    assert_eq!(
-        seen[0].0, "1000000u",
-        "the first attempt has the whole second"
-    );
+    // The first attempt, sent at once, has the whole second: the caller's
+    // own header, as it was.
+    assert_eq!(seen[0].0, "1S", "the first attempt has the whole second");
+}
+
+/// A first attempt sent at once says the call's timeout itself: the caller's
+/// one header as it was, or the policy's timeout, which repeats from call to
+/// call (so it is not marked sensitive, and HPACK may index it). A retry says
+/// the time left, which never repeats (sensitive: never indexed).
+#[tokio::test(start_paused = true)]
+async fn a_first_attempt_sent_at_once_says_the_calls_own_timeout() {
+    let header = |req: &Request<Body>| {
+        req.headers()
+            .get_all("grpc-timeout")
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+
+    // The caller's header, left as it is.
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "2S")).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert_eq!(header(&req), ["2S"]);
+    assert!(!req.headers()["grpc-timeout"].is_sensitive());
+    tokio::time::sleep(100 * MS).await;
+    send.send_response(status(Code::Unavailable));
+    let (req, send, _) = next(&mut handle).await;
+    let retry = &req.headers()["grpc-timeout"];
+    assert!(parse_timeout(retry.to_str().unwrap()) < Duration::from_millis(1_900));
+    assert!(retry.is_sensitive(), "the time left never repeats");
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    // The policy's timeout.
+    let policy = RetryPolicy::default().with_total_timeout(Duration::from_secs(3));
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let call = spawn_call(&mut svc, request()).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert_eq!(header(&req), ["3000000u"]);
+    assert!(!req.headers()["grpc-timeout"].is_sensitive());
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    // A caller's header capped by the method's limit: the limit, which is
+    // the policy's, and repeats.
+    let policy = RetryPolicy::default().with_max_timeout(Duration::from_secs(1));
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let call = spawn_call(&mut svc, with_timeout(request(), "2S")).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert_eq!(header(&req), ["1000000u"]);
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    // Two headers from the caller: the first sets the deadline, and the
+    // attempt says it once.
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let mut req = with_timeout(request(), "2S");
+    req.headers_mut()
+        .append("grpc-timeout", http::HeaderValue::from_static("9S"));
+    let call = spawn_call(&mut svc, req).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert_eq!(header(&req), ["2000000u"]);
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
 }
 
 #[tokio::test(start_paused = true)]
