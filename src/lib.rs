@@ -17,8 +17,10 @@
 //!   every call. A server's `RetryInfo` or `grpc-retry-pushback-ms` replaces it.
 //! * **One deadline for the whole call**, from the request's `grpc-timeout`
 //!   (tonic's `Request::set_timeout`) or [`RetryPolicy::with_total_timeout`].
-//!   Every attempt is sent with `grpc-timeout` rewritten to the time left, and
-//!   cut when it runs out; backoff sleeps, server-given delays, waiting for the
+//!   Every attempt is sent with `grpc-timeout` rewritten to the time left (a
+//!   first attempt sent at once, within a thousandth of the timeout and at
+//!   most 1 ms, says the call's timeout itself, as tonic's own client does,
+//!   which HPACK then sends as one byte), and cut when it runs out; backoff sleeps, server-given delays, waiting for the
 //!   service below to be ready and a committed response's body are all
 //!   charged to it too. No retry is sent without room for its backoff plus a
 //!   minimum attempt (20 ms).
