@@ -91,13 +91,19 @@ impl Limits {
 /// at most a millisecond of the call setting its deadline: no more than
 /// that is added to the time the server is told, which is never less than
 /// the time left (BENCHMARKS.md, "The first attempt's `grpc-timeout`").
+///
+/// The caller's header goes as the caller made it, sensitive or not: a
+/// caller passing on a deadline of its own, a different value on every
+/// call, keeps it out of HPACK's table by marking it sensitive, as it would
+/// without the layer.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct FirstTimeout {
     /// When the call set its deadline.
     pub(crate) started: Instant,
     /// The call's timeout: its deadline less `started`.
     pub(crate) timeout: Duration,
-    /// The timeout is the caller's one `grpc-timeout` header, unchanged.
+    /// The timeout is the caller's one `grpc-timeout` header, unchanged;
+    /// else it is the policy's.
     pub(crate) callers: bool,
 }
 

@@ -273,16 +273,19 @@ where
         let started = timeout.map(|_| Instant::now());
         let deadline = timeout.zip(started).and_then(|(t, now)| now.checked_add(t));
         // What the first attempt may say its time is, if it is sent at once:
-        // the caller's own header, when it alone set the deadline.
-        let first_timeout =
-            timeout
-                .zip(started)
-                .filter(|_| deadline.is_some())
-                .map(|(timeout, started)| FirstTimeout {
-                    started,
-                    timeout,
-                    callers: callers == Some(timeout) && timeouts == 1,
-                });
+        // the caller's own header, when it alone set the deadline; the
+        // policy's timeout, when that did. (Not the first of a caller's
+        // several headers: the time left is written over them.)
+        let first_timeout = timeout
+            .zip(started)
+            .filter(|&(timeout, _)| {
+                deadline.is_some() && (callers != Some(timeout) || timeouts == 1)
+            })
+            .map(|(timeout, started)| FirstTimeout {
+                started,
+                timeout,
+                callers: callers == Some(timeout),
+            });
 
         // A key the caller set is kept on every attempt; an empty one is no
         // key (unrelated calls would share one dedup slot) and is replaced.

@@ -239,7 +239,7 @@ async fn a_first_attempt_sent_at_once_says_the_calls_own_timeout() {
     call.await.unwrap().unwrap();
 
     // Two headers from the caller: the first sets the deadline, and the
-    // attempt says it once.
+    // attempt says the time left once, sensitive.
     let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
     let mut req = with_timeout(request(), "2S");
     req.headers_mut()
@@ -247,8 +247,25 @@ async fn a_first_attempt_sent_at_once_says_the_calls_own_timeout() {
     let call = spawn_call(&mut svc, req).await;
     let (req, send, _) = next(&mut handle).await;
     assert_eq!(header(&req), ["2000000u"]);
+    assert!(req.headers()["grpc-timeout"].is_sensitive());
     send.send_response(ok());
     call.await.unwrap().unwrap();
+
+    // A caller passing on a deadline of its own: its header as it made it,
+    // here marked sensitive, as a different value on every call should be.
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    for value in ["1999m", "1998m"] {
+        let mut value = http::HeaderValue::from_static(value);
+        value.set_sensitive(true);
+        let mut req = request();
+        req.headers_mut().insert("grpc-timeout", value.clone());
+        let call = spawn_call(&mut svc, req).await;
+        let (req, send, _) = next(&mut handle).await;
+        assert_eq!(header(&req), [value]);
+        assert!(req.headers()["grpc-timeout"].is_sensitive());
+        send.send_response(ok());
+        call.await.unwrap().unwrap();
+    }
 }
 
 #[tokio::test(start_paused = true)]
