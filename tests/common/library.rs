@@ -254,11 +254,15 @@ pub async fn serve_plain(shelf: Shelf) -> SocketAddr {
 }
 
 pub fn channel(addr: SocketAddr) -> Channel {
+    endpoint(addr).connect_lazy()
+}
+
+/// The endpoint [`channel`] connects to, for a channel set up otherwise.
+pub fn endpoint(addr: SocketAddr) -> Endpoint {
     Endpoint::from_shared(format!("http://{addr}"))
         .expect("a valid URI")
         // Attempts cut by a per-attempt timeout reset their streams; h2
         // remembers only 50 resets by default, and frames arriving on
         // forgotten ones close the connection (see the README).
         .http2_max_concurrent_reset_streams(4096)
-        .connect_lazy()
 }
