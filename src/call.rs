@@ -30,6 +30,7 @@ use crate::body::{Credit, ResponseBody};
 use crate::classify::{
     Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
 };
+use crate::deadline::GRPC_TIMEOUT;
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
 use crate::metrics::{Event, RetryMetrics};
 use crate::policy::RetryPolicy;
@@ -264,12 +265,19 @@ impl Drop for HeaderList {
 
 impl<B> FirstCopy<B> {
     /// A copy of the request of `head` and `body`, its body a clone that
-    /// reads it again from its start.
+    /// reads it again from its start; without its `grpc-timeout` if
+    /// `retimed`, as every retry of a call with a deadline says its own.
+    // NOTE: a `grpc-timeout` made by tonic is a value made from a `Vec`,
+    // whose first clone allocates to share it; a retry writes over it.
     #[inline(always)]
-    fn of(head: &request::Parts, body: &ReplayBody<B>) -> Self {
+    fn of(head: &request::Parts, body: &ReplayBody<B>, retimed: bool) -> Self {
         let mut headers = HeaderList::with_capacity(head.headers.len());
-        for (name, value) in &head.headers {
-            headers.0.push((name.clone(), value.clone()));
+        if retimed {
+            copy_timed(&mut headers, &head.headers);
+        } else {
+            for (name, value) in &head.headers {
+                headers.0.push((name.clone(), value.clone()));
+            }
         }
         Self {
             method: head.method.clone(),
@@ -299,6 +307,16 @@ impl<B> FirstCopy<B> {
         *req.headers_mut() = headers;
         *req.extensions_mut() = self.extensions;
         req
+    }
+}
+
+/// Copies `headers` into `list` but for `grpc-timeout`.
+#[inline(never)]
+fn copy_timed(list: &mut HeaderList, headers: &HeaderMap) {
+    for (name, value) in headers {
+        if name != GRPC_TIMEOUT {
+            list.0.push((name.clone(), value.clone()));
+        }
     }
 }
 
@@ -675,13 +693,16 @@ where
     /// The copy of `req` the call's first retry is made from, kept while its
     /// first attempt runs; none for a hedged call, whose hedge driver makes
     /// its attempts, so that its one outcome is handed over as it is.
+    /// `retimed`: the caller sent a `grpc-timeout` and the call has a
+    /// deadline, so every retry writes over it, and the copy leaves it out.
     #[inline(always)]
     pub(crate) fn first_copy<B>(
         &self,
         head: &request::Parts,
         body: &ReplayBody<B>,
+        retimed: bool,
     ) -> Option<FirstCopy<B>> {
-        (!self.hedged).then(|| FirstCopy::of(head, body))
+        (!self.hedged).then(|| FirstCopy::of(head, body, retimed))
     }
 
     /// The decision after an attempt of the request `req` is a copy of,
@@ -1082,7 +1103,7 @@ mod tests {
     fn the_first_copy_reads_and_marks_as_a_request_does() {
         let req = request();
         let (head, body) = req.clone().into_parts();
-        let mut copy = FirstCopy::of(&head, &body);
+        let mut copy = FirstCopy::of(&head, &body, false);
         let mut same = req.clone();
         let tag = HeaderName::from_static("x-tag");
         assert_eq!(

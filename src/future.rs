@@ -109,6 +109,8 @@ where
     /// The call of the request of `head` and `body`: its first attempt sent
     /// now through `attempt` on `readied`, the instance the caller polled,
     /// and its retries, if `call` asks for them, through tower's `Retry`.
+    /// `timeout`: what the first attempt may say its time is; `retimed`: the
+    /// caller sent a `grpc-timeout` and the call has a deadline.
     // NOTE: what tower's `Retry::call` does for the first attempt (keep a
     // copy, send the request), without building a `Retry` to clone into the
     // future and drop: a call that succeeds at once never needs one. The
@@ -120,11 +122,11 @@ where
         mut attempt: Attempt<S, B, Bu, M>,
         readied: &mut S,
         (head, body): (request::Parts, ReplayBody<B>),
-        timeout: Option<FirstTimeout>,
+        (timeout, retimed): (Option<FirstTimeout>, bool),
         end: CallEnd<M>,
         cancel: Option<DropGuard>,
     ) -> Self {
-        let copy = call.first_copy(&head, &body);
+        let copy = call.first_copy(&head, &body, retimed);
         let future = attempt.call_first(readied, head, body, timeout);
         let retry = copy.map(|copy| Retry {
             copy,

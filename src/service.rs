@@ -352,7 +352,7 @@ where
             attempt,
             &mut self.inner,
             (parts, body),
-            first_timeout,
+            (first_timeout, timeouts > 0 && deadline.is_some()),
             CallEnd::new(trace),
             cancel,
         )
