@@ -40,12 +40,19 @@ pub(crate) fn timer_at(at: Instant) -> Sleep {
 pub(crate) fn parse_grpc_timeout(value: &HeaderValue) -> Option<Duration> {
     let bytes = value.as_bytes();
     let (&unit, digits) = bytes.split_last()?;
-    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+    if digits.is_empty() || digits.len() > 8 {
         return None;
     }
-    let amount = digits
-        .iter()
-        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+    // One pass: each byte checked as it is read (at most 8 digits: no
+    // overflow in any unit below).
+    let mut amount = 0u64;
+    for &byte in digits {
+        let digit = byte.wrapping_sub(b'0');
+        if digit > 9 {
+            return None;
+        }
+        amount = amount * 10 + u64::from(digit);
+    }
     Some(match unit {
         b'H' => Duration::from_secs(amount * 3_600),
         b'M' => Duration::from_secs(amount * 60),
@@ -144,6 +151,9 @@ mod tests {
             "1 S",
             "1s",
             "+1m",
+            // The bytes either side of the digits.
+            "1/S",
+            "1:S",
         ] {
             assert_eq!(parse(bad), None, "{bad:?} should not parse");
         }
