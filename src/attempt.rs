@@ -116,8 +116,16 @@ impl FirstTimeout {
 
     /// Whether an attempt sent at `now` is sent at once.
     fn at_once(&self, now: Instant) -> bool {
-        let since = now.saturating_duration_since(self.started);
-        since <= Self::AT_ONCE && since <= self.timeout / 1000
+        // A timeout of a second or more allows the whole millisecond: no
+        // division, as most timeouts are.
+        let limit = if self.timeout >= Duration::from_secs(1) {
+            Self::AT_ONCE
+        } else {
+            self.timeout / 1000
+        };
+        self.started
+            .checked_add(limit)
+            .is_some_and(|until| now <= until)
     }
 }
 
@@ -1052,6 +1060,35 @@ fn outcome<RB, M: Metrics>(
                 return Ok(status.clone().into_http());
             }
             Err(Failure::Transport(error))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn at_once_is_a_thousandth_of_the_timeout_and_at_most_a_millisecond() {
+        let started = Instant::now();
+        let ns = Duration::from_nanos(1);
+        for (timeout, limit) in [
+            (Duration::from_secs(3_600), Duration::from_millis(1)),
+            (Duration::from_secs(1), Duration::from_millis(1)),
+            (Duration::from_secs(1) - ns, Duration::from_nanos(999_999)),
+            (Duration::from_millis(500), Duration::from_micros(500)),
+            (Duration::from_micros(999), Duration::from_nanos(999)),
+            (Duration::from_nanos(999), Duration::ZERO),
+            (Duration::ZERO, Duration::ZERO),
+        ] {
+            let first = FirstTimeout {
+                started,
+                timeout,
+                callers: true,
+            };
+            assert!(first.at_once(started), "{timeout:?}");
+            assert!(first.at_once(started + limit), "{timeout:?}");
+            assert!(!first.at_once(started + limit + ns), "{timeout:?}");
         }
     }
 }
