@@ -189,61 +189,6 @@ async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
     assert_eq!(seen[0].0, "1S", "the first attempt has the whole second");
 }
 
-/// Every retry of a call with a deadline says the time left in one
-/// `grpc-timeout`, whatever the caller sent (one header or several); a
-/// `grpc-timeout` the layer cannot read sets no deadline, and every retry
-/// carries it as the caller sent it.
-#[tokio::test(start_paused = true)]
-async fn a_retry_says_one_grpc_timeout_and_keeps_one_it_cannot_read() {
-    let values = |req: &Request<Body>| {
-        req.headers()
-            .get_all("grpc-timeout")
-            .iter()
-            .cloned()
-            .collect::<Vec<_>>()
-    };
-    let mut two = with_timeout(request(), "2S");
-    two.headers_mut()
-        .append("grpc-timeout", http::HeaderValue::from_static("9S"));
-    for req in [with_timeout(request(), "2S"), two] {
-        let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
-        let call = spawn_call(&mut svc, req).await;
-        for _ in 0..2 {
-            let (_, send, _) = next(&mut handle).await;
-            tokio::time::sleep(100 * MS).await;
-            send.send_response(status(Code::Unavailable));
-        }
-        let (req, send, _) = next(&mut handle).await;
-        let retry = values(&req);
-        assert_eq!(retry.len(), 1, "{retry:?}");
-        let left = parse_timeout(retry[0].to_str().unwrap());
-        assert!(left <= Duration::from_millis(1_800), "{left:?}");
-        assert!(left > Duration::from_millis(1_700), "{left:?}");
-        send.send_response(ok());
-        call.await.unwrap().unwrap();
-    }
-
-    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
-    let unreadable = http::HeaderValue::from_static("12x");
-    let mut req = request();
-    req.headers_mut().insert("grpc-timeout", unreadable.clone());
-    let call = spawn_call(&mut svc, req).await;
-    for n in 0..3 {
-        let (req, send, _) = next(&mut handle).await;
-        assert_eq!(
-            values(&req),
-            std::slice::from_ref(&unreadable),
-            "attempt {n}"
-        );
-        send.send_response(if n < 2 {
-            status(Code::Unavailable)
-        } else {
-            ok()
-        });
-    }
-    call.await.unwrap().unwrap();
-}
-
 /// A first attempt sent at once says the call's timeout itself: the caller's
 /// one header as it was, or the policy's timeout, which repeats from call to
 /// call (so it is not marked sensitive, and HPACK may index it). A retry says
