@@ -433,26 +433,11 @@ async fn grpc_timeout_edges() {
             .expect("sent at once");
         let sent = req.headers()["grpc-timeout"].to_str().unwrap().to_owned();
         assert!(sent.len() <= 9, "{t}: sent {sent:?}");
-        let caller = grpc_timeout(t);
-        assert!(grpc_timeout(&sent) <= caller, "{t}: sent {sent:?}");
+        let caller = parse_timeout(t);
+        assert!(parse_timeout(&sent) <= caller, "{t}: sent {sent:?}");
         send.send_response(ok());
         let r = bounded(call).await.unwrap().unwrap();
         assert_eq!(code_of(&r), Code::Ok, "{t}");
-    }
-}
-
-/// A `grpc-timeout` value as a duration, for the checks above.
-fn grpc_timeout(value: &str) -> Duration {
-    let (digits, unit) = value.split_at(value.len() - 1);
-    let n: u64 = digits.parse().unwrap();
-    match unit {
-        "H" => Duration::from_secs(n * 3600),
-        "M" => Duration::from_secs(n * 60),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        other => panic!("unit {other}"),
     }
 }
 

@@ -78,7 +78,7 @@ async fn scenario(
             match expect_deadline {
                 Some(d) => {
                     assert_eq!(t.len(), 1, "{name} attempt {n}: {t:?}");
-                    let left = parse_any(t[0].to_str().unwrap());
+                    let left = parse_timeout(t[0].to_str().unwrap());
                     let real = (start + d).saturating_duration_since(at);
                     assert!(left >= real, "{name} attempt {n}: {left:?} < {real:?}");
                     let slack = if left > Duration::from_secs(1_000_000) {
@@ -222,20 +222,6 @@ async fn every_retry_says_one_time_left() {
     scenario("no caller", d(), &[], None, false).await;
 }
 
-fn parse_any(s: &str) -> Duration {
-    let (n, u) = s.split_at(s.len() - 1);
-    let n: u64 = n.parse().unwrap();
-    match u {
-        "H" => Duration::from_secs(n * 3600),
-        "M" => Duration::from_secs(n * 60),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => panic!("{s}"),
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn every_hedge_says_one_time_left() {
     let policy: RetryPolicy = tonic_retry::HedgePolicy::new(3, 100 * MS).unwrap().into();
@@ -252,7 +238,7 @@ async fn every_hedge_says_one_time_left() {
         let (req, send, at) = next(&mut handle).await;
         let t = timeouts(&req);
         assert_eq!(t.len(), 1, "hedge {n}: {t:?}");
-        let left = parse_any(t[0].to_str().unwrap());
+        let left = parse_timeout(t[0].to_str().unwrap());
         let real = (start + Duration::from_secs(2)).saturating_duration_since(at);
         assert!(
             left >= real && left <= real + MS,

@@ -179,6 +179,8 @@ pub fn parse_timeout(s: &str) -> Duration {
         "u" => Duration::from_micros(n),
         "m" => Duration::from_millis(n),
         "S" => Duration::from_secs(n),
+        "M" => Duration::from_secs(n * 60),
+        "H" => Duration::from_secs(n * 3600),
         other => panic!("unexpected unit {other}"),
     }
 }
