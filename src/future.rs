@@ -160,16 +160,17 @@ where
             match this.step.as_mut().project() {
                 StepProj::First { future, retry } => {
                     let mut result = ready!(future.poll(cx));
-                    let Some(r) = retry.as_mut() else {
-                        break result;
+                    let backoff = match retry.as_mut() {
+                        Some(r) => r.call.after(&mut r.copy, &mut result),
+                        None => None,
                     };
-                    match r.call.after(&mut r.copy, &mut result) {
-                        None => break result,
-                        Some(backoff) => {
-                            let retry = retry.take();
-                            this.step.set(Step::Waiting { backoff, retry });
-                        }
-                    }
+                    let Some(backoff) = backoff else {
+                        // The answer: handed over from here, as most calls'
+                        // first attempt's is (one move of it fewer).
+                        return Poll::Ready(Ok(finish(result, this.end, this.cancel)));
+                    };
+                    let retry = retry.take();
+                    this.step.set(Step::Waiting { backoff, retry });
                 }
                 StepProj::Waiting { backoff, retry } => {
                     ready!(backoff.poll(cx));
@@ -190,17 +191,27 @@ where
                 StepProj::Retrying { future } => break ready!(future.poll(cx)),
             }
         };
-        let mut response = match result {
-            Ok(response) => response,
-            Err(failure) => failure_response(&failure, 1),
-        };
-        this.end.ready(&mut response);
-        // The call has its answer: attempts it abandoned drain to their end.
-        if let Some(cancel) = this.cancel.take() {
-            cancel.disarm();
-        }
-        Poll::Ready(Ok(response))
+        Poll::Ready(Ok(finish(result, this.end, this.cancel)))
     }
+}
+
+/// The call's answer, from its last attempt's `result`.
+#[inline(always)]
+fn finish<RB, M: Metrics>(
+    result: Result<Response<ResponseBody<RB, M>>, crate::attempt::Failure>,
+    end: &mut CallEnd<M>,
+    cancel: &mut Option<DropGuard>,
+) -> Response<ResponseBody<RB, M>> {
+    let mut response = match result {
+        Ok(response) => response,
+        Err(failure) => failure_response(&failure, 1),
+    };
+    end.ready(&mut response);
+    // The call has its answer: attempts it abandoned drain to their end.
+    if let Some(cancel) = cancel.take() {
+        cancel.disarm();
+    }
+    response
 }
 
 impl<S, B, RB, Bu, M> std::fmt::Debug for ResponseFuture<S, B, RB, Bu, M>
