@@ -272,12 +272,11 @@ impl<B> FirstCopy<B> {
     #[inline(always)]
     fn of(head: &request::Parts, body: &ReplayBody<B>, retimed: bool) -> Self {
         let mut headers = HeaderList::with_capacity(head.headers.len());
-        if retimed {
-            copy_timed(&mut headers, &head.headers);
-        } else {
-            for (name, value) in &head.headers {
-                headers.0.push((name.clone(), value.clone()));
+        for (name, value) in &head.headers {
+            if retimed && name == GRPC_TIMEOUT {
+                continue;
             }
+            headers.0.push((name.clone(), value.clone()));
         }
         Self {
             method: head.method.clone(),
@@ -307,16 +306,6 @@ impl<B> FirstCopy<B> {
         *req.headers_mut() = headers;
         *req.extensions_mut() = self.extensions;
         req
-    }
-}
-
-/// Copies `headers` into `list` but for `grpc-timeout`.
-#[inline(never)]
-fn copy_timed(list: &mut HeaderList, headers: &HeaderMap) {
-    for (name, value) in headers {
-        if name != GRPC_TIMEOUT {
-            list.0.push((name.clone(), value.clone()));
-        }
     }
 }
 
