@@ -12,6 +12,7 @@ mod library;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use common::*;
 use tonic_retry::RetryPolicy;
@@ -124,9 +125,9 @@ async fn loopback() {
     println!(
         "\nallocations per call over tonic on loopback, client and server together ({N} calls each)"
     );
-    println!("{:<34} {:>12.1}", "no layer", per_call!(plain));
-    println!("{:<34} {:>12.1}", "RetryLayer", per_call!(with));
-    println!("{:<34} {:>12.1}", "RetryLayer, no key", per_call!(no_key));
+    println!("{:<42} {:>12.1}", "no layer", per_call!(plain));
+    println!("{:<42} {:>12.1}", "RetryLayer", per_call!(with));
+    println!("{:<42} {:>12.1}", "RetryLayer, no key", per_call!(no_key));
 }
 
 fn main() {
@@ -138,7 +139,7 @@ fn main() {
     rt.block_on(loopback());
     rt.block_on(async {
         println!("allocations per successful call ({CALLS} calls each, in-memory OK service)");
-        println!("{:<34} {:>12} {:>14}", "stack", "allocations", "bytes");
+        println!("{:<42} {:>12} {:>14}", "stack", "allocations", "bytes");
         for (label, payload) in [("16 B", &SMALL[..]), ("16 KiB", &LARGE[..])] {
             let rows = [
                 ("a no layer", count(inner_ok(), payload).await),
@@ -161,10 +162,21 @@ fn main() {
                     )
                     .await,
                 ),
+                (
+                    "c RetryLayer, 10 s total timeout",
+                    count(
+                        layered(
+                            inner_ok(),
+                            RetryPolicy::default().with_total_timeout(Duration::from_secs(10)),
+                        ),
+                        payload,
+                    )
+                    .await,
+                ),
             ];
             for (name, (allocs, bytes)) in rows {
                 println!(
-                    "{:<34} {allocs:>12.2} {bytes:>14.1}",
+                    "{:<42} {allocs:>12.2} {bytes:>14.1}",
                     format!("{name} ({label})")
                 );
             }

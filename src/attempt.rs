@@ -38,6 +38,7 @@ use crate::drain::{Drain, Drainer};
 use crate::hedge::HedgeFuture;
 use crate::marks::AlreadyTried;
 use crate::metrics::{Event, RetryMetrics};
+use crate::policy::RetryPolicy;
 use crate::replay::{Lingering, ReplayBody, ReplayError};
 use crate::shared::Local;
 use crate::status::{StatusHeaders, code_at_headers};
@@ -104,9 +105,20 @@ pub(crate) struct FirstTimeout {
     // NOTE: kept, though derivable: computed from the deadline where the
     // attempt is sent, it cost every call with a deadline 63 instructions.
     pub(crate) timeout: Duration,
-    /// The timeout is the caller's one `grpc-timeout` header, unchanged;
-    /// else it is the policy's.
-    pub(crate) callers: bool,
+    /// Whose timeout it is.
+    pub(crate) said: Said,
+}
+
+/// Whose timeout set a call's deadline, and so what its first attempt sent
+/// at once says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Said {
+    /// The caller's one `grpc-timeout` header, which stays as it is.
+    Callers,
+    /// The policy's total timeout.
+    Total,
+    /// The policy's cap on a method's calls.
+    Max,
 }
 
 impl FirstTimeout {
@@ -138,17 +150,25 @@ impl FirstTimeout {
 fn say_first_timeout(
     headers: &mut HeaderMap,
     timeout: Option<FirstTimeout>,
+    policy: &RetryPolicy,
     deadline: Instant,
     now: Instant,
 ) {
-    match timeout.filter(|first| first.at_once(now)) {
+    let Some(first) = timeout.filter(|first| first.at_once(now)) else {
+        set_timeout(headers, Some(deadline), now);
+        return;
+    };
+    let policys = match first.said {
         // The caller's header stays, as it is.
-        Some(FirstTimeout { callers: true, .. }) => {}
-        Some(first) => {
-            headers.insert(GRPC_TIMEOUT, format_repeating(first.timeout));
-        }
-        None => set_timeout(headers, Some(deadline), now),
-    }
+        Said::Callers => return,
+        Said::Total => &policy.total_timeout,
+        Said::Max => &policy.max_timeout,
+    };
+    let value = match policys {
+        Some(timeout) => timeout.header(),
+        None => format_repeating(first.timeout),
+    };
+    headers.insert(GRPC_TIMEOUT, value);
 }
 
 /// Which limit ended an attempt.
@@ -395,7 +415,8 @@ where
             if at <= now {
                 return self.attempt(Some(readied), Request::from_parts(head, body));
             }
-            say_first_timeout(&mut head.headers, timeout, at, now);
+            let policy = self.shared.policies.get(self.policy);
+            say_first_timeout(&mut head.headers, timeout, policy, at, now);
         }
         let cut = deadline.map(|at| (at, Cut::Deadline));
         self.first = false;
@@ -1084,7 +1105,7 @@ mod tests {
             let first = FirstTimeout {
                 started,
                 timeout,
-                callers: true,
+                said: Said::Callers,
             };
             assert!(first.at_once(started), "{timeout:?}");
             assert!(first.at_once(started + limit), "{timeout:?}");

@@ -4,8 +4,11 @@
 //! a unit: `H` hours, `M` minutes, `S` seconds, `m` milliseconds, `u`
 //! microseconds, `n` nanoseconds.
 
+use std::fmt;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use tokio::time::{Instant, Sleep};
 
@@ -76,6 +79,68 @@ pub(crate) fn format_grpc_timeout(timeout: Duration) -> HeaderValue {
     // table, where it would only evict the headers that repeat.
     value.set_sensitive(true);
     value
+}
+
+/// A timeout set on a policy, with its `grpc-timeout` value made once.
+///
+/// A first attempt sent at once says the policy's timeout (see
+/// `FirstTimeout`); the value is made when the policy is, so that a call
+/// neither formats nor allocates it.
+#[derive(Clone)]
+pub(crate) struct PolicyTimeout {
+    pub(crate) duration: Duration,
+    /// The value over `'static` bytes, so that the clone each call makes
+    /// writes nothing that another thread's clones write too (a shared
+    /// buffer's would write its reference count); none once [`KEPT_TIMEOUTS`]
+    /// values are kept, and then each call formats its own.
+    header: Option<HeaderValue>,
+}
+
+impl PolicyTimeout {
+    pub(crate) fn new(duration: Duration) -> Self {
+        Self {
+            duration,
+            header: kept(duration),
+        }
+    }
+
+    /// The `grpc-timeout` saying this timeout, not sensitive: it is the same
+    /// on every call, so HPACK may index it, and then sends it as one byte.
+    pub(crate) fn header(&self) -> HeaderValue {
+        match &self.header {
+            Some(value) => value.clone(),
+            None => format_repeating(self.duration),
+        }
+    }
+}
+
+impl fmt::Debug for PolicyTimeout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.duration.fmt(f)
+    }
+}
+
+/// How many policy timeouts' values the process keeps: a few bytes each,
+/// kept for its life, so a process making policies with ever new timeouts
+/// keeps no more than this.
+const KEPT_TIMEOUTS: usize = 64;
+
+/// The kept value of `duration`'s `grpc-timeout`: made, and kept, the first
+/// time a policy sets that timeout.
+fn kept(duration: Duration) -> Option<HeaderValue> {
+    static KEPT: Mutex<Vec<(Duration, HeaderValue)>> = Mutex::new(Vec::new());
+    // The list is only ever pushed to whole; a panic elsewhere leaves it whole.
+    let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, value)) = kept.iter().find(|(kept, _)| *kept == duration) {
+        return Some(value.clone());
+    }
+    if kept.len() >= KEPT_TIMEOUTS {
+        return None;
+    }
+    let text: &'static [u8] = Box::leak(format_repeating(duration).as_bytes().into());
+    let value = HeaderValue::from_maybe_shared(Bytes::from_static(text)).ok()?;
+    kept.push((duration, value.clone()));
+    Some(value)
 }
 
 /// [`format_grpc_timeout`] for a value sent again and again (a policy's
@@ -175,6 +240,39 @@ mod tests {
         assert_eq!(f(Duration::from_secs(100)), "100000m");
         assert_eq!(f(Duration::from_secs(86_400 * 365)), "31536000S");
         assert_eq!(f(Duration::MAX), "99999999H");
+    }
+
+    #[test]
+    fn a_policys_timeout_is_said_by_one_kept_value_until_the_list_is_full() {
+        // Durations no other test sets (the kept list is the process's).
+        let odd = |n: u64| Duration::from_nanos(7_777_000_000_000 + n);
+        let first = PolicyTimeout::new(odd(0));
+        let again = PolicyTimeout::new(odd(0));
+        assert_eq!(first.header(), format_repeating(odd(0)));
+        assert!(
+            !first.header().is_sensitive(),
+            "it repeats: HPACK may index it"
+        );
+        // One value for both policies, over the same static bytes.
+        assert_eq!(
+            first.header().as_bytes().as_ptr(),
+            again.header().as_bytes().as_ptr()
+        );
+        // Past the limit nothing more is kept, and each call formats its own.
+        let made: Vec<_> = (1..=KEPT_TIMEOUTS as u64 + 1)
+            .map(|n| PolicyTimeout::new(odd(n)))
+            .collect();
+        let last = made.last().unwrap();
+        assert!(
+            last.header.is_none(),
+            "the list keeps at most {KEPT_TIMEOUTS}"
+        );
+        for (n, timeout) in (1..).zip(&made) {
+            assert_eq!(timeout.header(), format_repeating(odd(n)), "{n}");
+            assert!(!timeout.header().is_sensitive());
+        }
+        // What was kept stays kept.
+        assert!(PolicyTimeout::new(odd(0)).header.is_some());
     }
 
     proptest! {

@@ -8,6 +8,7 @@ use http::HeaderName;
 use rand::Rng;
 use tonic::Code;
 
+use crate::deadline::PolicyTimeout;
 use crate::error::ConfigError;
 use crate::hedge::HedgePlan;
 
@@ -220,8 +221,8 @@ pub struct RetryPolicy {
     /// `raw · (1 ± jitter)`.
     pub(crate) full_jitter: bool,
     pub(crate) retryable: RetryableCodes,
-    pub(crate) total_timeout: Option<Duration>,
-    pub(crate) max_timeout: Option<Duration>,
+    pub(crate) total_timeout: Option<PolicyTimeout>,
+    pub(crate) max_timeout: Option<PolicyTimeout>,
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) min_attempt_budget: Duration,
     pub(crate) max_server_delay: Duration,
@@ -346,7 +347,7 @@ impl RetryPolicy {
     /// per-method `timeout` caps the application's deadline.
     #[must_use]
     pub fn with_max_timeout(mut self, timeout: Duration) -> Self {
-        self.max_timeout = Some(timeout);
+        self.max_timeout = Some(PolicyTimeout::new(timeout));
         self
     }
 
@@ -361,7 +362,7 @@ impl RetryPolicy {
     /// all attempts and waits of one call share it.
     #[must_use]
     pub fn with_total_timeout(mut self, timeout: Duration) -> Self {
-        self.total_timeout = Some(timeout);
+        self.total_timeout = Some(PolicyTimeout::new(timeout));
         self
     }
 
@@ -524,7 +525,7 @@ impl RetryPolicy {
 
     /// The longest a call may take, if capped (see [`with_max_timeout`](Self::with_max_timeout)).
     pub fn max_timeout(&self) -> Option<Duration> {
-        self.max_timeout
+        self.max_timeout.as_ref().map(|timeout| timeout.duration)
     }
 
     /// The per-attempt timeout, if any.

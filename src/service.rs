@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
-use crate::attempt::{Attempt, FirstTimeout, Limits};
+use crate::attempt::{Attempt, FirstTimeout, Limits, Said};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
 use crate::call::CallPolicy;
@@ -262,30 +262,42 @@ where
         }
 
         // One deadline for the whole call, on tokio's clock so tests can pause it.
-        let callers = timeout.and_then(parse_grpc_timeout);
-        let timeout = callers.or(policy.total_timeout);
+        let timeout = match timeout.and_then(parse_grpc_timeout) {
+            Some(callers) => Some((callers, Said::Callers)),
+            None => policy
+                .total_timeout
+                .as_ref()
+                .map(|t| (t.duration, Said::Total)),
+        };
         // A per-method limit caps the caller's deadline, as gRPC's service
         // config `timeout` does.
-        let timeout = match (timeout, policy.max_timeout) {
-            (Some(t), Some(max)) => Some(t.min(max)),
+        let max = policy
+            .max_timeout
+            .as_ref()
+            .map(|max| (max.duration, Said::Max));
+        let timeout = match (timeout, max) {
+            (Some(t), Some(max)) if max.0 < t.0 => Some(max),
             (t, max) => t.or(max),
         };
         let started = timeout.map(|_| Instant::now());
-        let deadline = timeout.zip(started).and_then(|(t, now)| now.checked_add(t));
+        let deadline = timeout
+            .zip(started)
+            .and_then(|((t, _), now)| now.checked_add(t));
         // What the first attempt may say its time is, if it is sent at once:
         // the caller's own header, when it alone set the deadline; the
         // policy's timeout, when that did. (Not the first of a caller's
         // several headers: the time left is written over them.)
         let first_timeout = timeout
             .zip(started)
-            .filter(|&(timeout, _)| {
-                deadline.is_some() && (callers != Some(timeout) || timeouts == 1)
+            .filter(|&((_, said), _)| {
+                deadline.is_some() && (said != Said::Callers || timeouts == 1)
             })
-            .map(|(timeout, started)| FirstTimeout {
+            .map(|((timeout, said), started)| FirstTimeout {
                 started,
                 timeout,
-                callers: callers == Some(timeout),
+                said,
             });
+        let timeout = timeout.map(|(timeout, _)| timeout);
 
         // A key the caller set is kept on every attempt; an empty one is no
         // key (unrelated calls would share one dedup slot) and is replaced.

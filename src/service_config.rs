@@ -419,7 +419,7 @@ impl FromStr for ServiceConfig {
 
 impl MethodConfig {
     fn policy(&self, base: &RetryPolicy) -> RetryPolicy {
-        let mut policy = match (&self.retry, &self.hedge) {
+        let policy = match (&self.retry, &self.hedge) {
             (None, Some(hedge)) => {
                 let hedging = HedgePolicy::new(hedge.max_attempts, hedge.delay)
                     .expect("a validated hedgingPolicy sends 2..=5 attempts")
@@ -447,10 +447,10 @@ impl MethodConfig {
                 policy
             }
         };
-        if let Some(timeout) = self.timeout {
-            policy.max_timeout = Some(timeout);
+        match self.timeout {
+            Some(timeout) => policy.with_max_timeout(timeout),
+            None => policy,
         }
-        policy
     }
 }
 

@@ -427,7 +427,10 @@ mod tests {
             "the hedge's attempts, not the base's"
         );
         assert_eq!(carried.hedge_delay(), Some(Duration::from_millis(7)));
-        assert_eq!(carried.total_timeout, Some(Duration::from_secs(2)));
+        assert_eq!(
+            carried.total_timeout.map(|timeout| timeout.duration),
+            Some(Duration::from_secs(2))
+        );
         assert!(!carried.idempotency_key);
         assert_eq!(RetryPolicy::default().hedge_delay(), None);
     }
