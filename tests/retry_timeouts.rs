@@ -18,14 +18,6 @@ use support::*;
 #[derive(Clone, Debug, PartialEq)]
 struct Ext(u32);
 
-fn timeouts(req: &Request<Body>) -> Vec<HeaderValue> {
-    req.headers()
-        .get_all("grpc-timeout")
-        .iter()
-        .cloned()
-        .collect()
-}
-
 /// Headers other than those the layer owns, in order.
 fn others(req: &Request<Body>) -> Vec<(String, HeaderValue)> {
     req.headers()
@@ -63,7 +55,7 @@ async fn scenario(
     let mut first_others = None;
     for n in 0..3 {
         let (req, send, at) = next(&mut handle).await;
-        let t = timeouts(&req);
+        let t = grpc_timeouts(&req);
         let o = others(&req);
         assert_eq!(
             req.extensions().get::<Ext>(),
@@ -116,110 +108,114 @@ async fn scenario(
     assert_eq!(code_of(&r), Code::Ok, "{name}");
 }
 
+/// A name, a policy, the caller's `grpc-timeout` headers, the call's timeout
+/// if it has a deadline, and whether the first attempt hangs until its own
+/// timeout cuts it.
+type Scenario = (
+    &'static str,
+    RetryPolicy,
+    &'static [&'static str],
+    Option<Duration>,
+    bool,
+);
+
 #[tokio::test(start_paused = true)]
 async fn every_retry_says_one_time_left() {
     let s = Duration::from_secs;
     let d = RetryPolicy::default;
-    scenario("caller", d(), &["2S"], Some(s(2)), false).await;
-    scenario("caller x2", d(), &["2S", "9S"], Some(s(2)), false).await;
-    scenario(
-        "caller bad then good, no policy",
-        d(),
-        &["2x", "2S"],
-        None,
-        false,
-    )
-    .await;
-    scenario(
-        "caller bad then good + total",
-        d().with_total_timeout(s(3)),
-        &["2x", "2S"],
-        Some(s(3)),
-        false,
-    )
-    .await;
-    scenario(
-        "caller + max",
-        d().with_max_timeout(s(1)),
-        &["2S"],
-        Some(s(1)),
-        false,
-    )
-    .await;
-    scenario(
-        "caller + bigger max",
-        d().with_max_timeout(s(5)),
-        &["2S"],
-        Some(s(2)),
-        false,
-    )
-    .await;
-    scenario(
-        "caller + total",
-        d().with_total_timeout(s(1)),
-        &["2S"],
-        Some(s(2)),
-        false,
-    )
-    .await;
-    scenario(
-        "bad caller + total",
-        d().with_total_timeout(s(1)),
-        &["12x"],
-        Some(s(1)),
-        false,
-    )
-    .await;
-    scenario(
-        "bad caller + max",
-        d().with_max_timeout(s(1)),
-        &["12x"],
-        Some(s(1)),
-        false,
-    )
-    .await;
-    scenario("bad caller", d(), &["12x"], None, false).await;
-    scenario(
-        "bad caller + overflowing total",
-        d().with_total_timeout(Duration::MAX),
-        &["12x"],
-        None,
-        false,
-    )
-    .await;
-    scenario(
-        "huge caller",
-        d(),
-        &["99999999H"],
-        Some(s(99_999_999 * 3600)),
-        false,
-    )
-    .await;
-    scenario(
-        "caller + attempt timeout",
-        d().with_attempt_timeout(300 * MS),
-        &["2S"],
-        Some(s(2)),
-        true,
-    )
-    .await;
-    scenario(
-        "caller + attempt timeout, no hang",
-        d().with_attempt_timeout(300 * MS),
-        &["2S", "1H"],
-        Some(s(2)),
-        false,
-    )
-    .await;
-    scenario(
-        "no caller + total",
-        d().with_total_timeout(s(1)),
-        &[],
-        Some(s(1)),
-        false,
-    )
-    .await;
-    scenario("no caller", d(), &[], None, false).await;
+    let scenarios: [Scenario; 16] = [
+        ("caller", d(), &["2S"], Some(s(2)), false),
+        ("caller x2", d(), &["2S", "9S"], Some(s(2)), false),
+        (
+            "caller bad then good, no policy",
+            d(),
+            &["2x", "2S"],
+            None,
+            false,
+        ),
+        (
+            "caller bad then good + total",
+            d().with_total_timeout(s(3)),
+            &["2x", "2S"],
+            Some(s(3)),
+            false,
+        ),
+        (
+            "caller + max",
+            d().with_max_timeout(s(1)),
+            &["2S"],
+            Some(s(1)),
+            false,
+        ),
+        (
+            "caller + bigger max",
+            d().with_max_timeout(s(5)),
+            &["2S"],
+            Some(s(2)),
+            false,
+        ),
+        (
+            "caller + total",
+            d().with_total_timeout(s(1)),
+            &["2S"],
+            Some(s(2)),
+            false,
+        ),
+        (
+            "bad caller + total",
+            d().with_total_timeout(s(1)),
+            &["12x"],
+            Some(s(1)),
+            false,
+        ),
+        (
+            "bad caller + max",
+            d().with_max_timeout(s(1)),
+            &["12x"],
+            Some(s(1)),
+            false,
+        ),
+        ("bad caller", d(), &["12x"], None, false),
+        (
+            "bad caller + overflowing total",
+            d().with_total_timeout(Duration::MAX),
+            &["12x"],
+            None,
+            false,
+        ),
+        (
+            "huge caller",
+            d(),
+            &["99999999H"],
+            Some(s(99_999_999 * 3600)),
+            false,
+        ),
+        (
+            "caller + attempt timeout",
+            d().with_attempt_timeout(300 * MS),
+            &["2S"],
+            Some(s(2)),
+            true,
+        ),
+        (
+            "caller + attempt timeout, no hang",
+            d().with_attempt_timeout(300 * MS),
+            &["2S", "1H"],
+            Some(s(2)),
+            false,
+        ),
+        (
+            "no caller + total",
+            d().with_total_timeout(s(1)),
+            &[],
+            Some(s(1)),
+            false,
+        ),
+        ("no caller", d(), &[], None, false),
+    ];
+    for (name, policy, headers, deadline, hang_first) in scenarios {
+        scenario(name, policy, headers, deadline, hang_first).await;
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -236,7 +232,7 @@ async fn every_hedge_says_one_time_left() {
     let mut sends = vec![];
     for n in 0..3 {
         let (req, send, at) = next(&mut handle).await;
-        let t = timeouts(&req);
+        let t = grpc_timeouts(&req);
         assert_eq!(t.len(), 1, "hedge {n}: {t:?}");
         let left = parse_timeout(t[0].to_str().unwrap());
         let real = (start + Duration::from_secs(2)).saturating_duration_since(at);

@@ -170,6 +170,15 @@ pub trait NowOrNever: std::future::Future + Sized {
 }
 impl<F: std::future::Future> NowOrNever for F {}
 
+/// Every `grpc-timeout` value of `req`, in order.
+pub fn grpc_timeouts(req: &Request<Body>) -> Vec<HeaderValue> {
+    req.headers()
+        .get_all("grpc-timeout")
+        .iter()
+        .cloned()
+        .collect()
+}
+
 /// Reads a `grpc-timeout` value as a peer would.
 pub fn parse_timeout(s: &str) -> Duration {
     let (n, unit) = s.split_at(s.len() - 1);
