@@ -47,24 +47,10 @@ use tonic::metadata::MetadataValue;
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
 use tower::ServiceBuilder;
 
-/// `n` calls, one after another, each with `key` if given.
-async fn calls<T>(
-    client: LibraryClient<T>,
-    n: u64,
-    key: Option<MetadataValue<tonic::metadata::Ascii>>,
-) where
-    T: tonic::client::GrpcService<tonic::body::Body>,
-    T::Error: Into<StdError>,
-    T::ResponseBody: Body<Data = Bytes> + Send + 'static,
-    <T::ResponseBody as Body>::Error: Into<StdError> + Send,
-{
-    calls_within(client, n, key, None).await
-}
-
 /// `n` calls, one after another, each with `key` if given, and each with a
 /// timeout of `timeout` (tonic's `Request::set_timeout`, sent as
 /// `grpc-timeout`) if given.
-async fn calls_within<T>(
+async fn calls<T>(
     mut client: LibraryClient<T>,
     n: u64,
     key: Option<MetadataValue<tonic::metadata::Ascii>>,
@@ -113,37 +99,37 @@ fn main() {
         let channel = library::channel(addr);
         let bare = LibraryClient::new(channel.clone());
         // Connect before counting.
-        calls(bare.clone(), 1, None).await;
+        calls(bare.clone(), 1, None, None).await;
         match stack.as_str() {
-            "bare" => calls(bare, n, None).await,
+            "bare" => calls(bare, n, None, None).await,
             "bare-key" => {
                 let mut key = MetadataValue::from_static("0123456789abcdef0123456789abcdef");
                 key.set_sensitive(true);
-                calls(bare, n, Some(key)).await
+                calls(bare, n, Some(key), None).await
             }
             "layer" => {
                 let svc = ServiceBuilder::new()
                     .layer(layer(RetryPolicy::default()))
                     .service(channel);
-                calls(LibraryClient::new(svc), n, None).await
+                calls(LibraryClient::new(svc), n, None, None).await
             }
             "layer-no-key" => {
                 let policy = RetryPolicy::default().with_idempotency_key(false);
                 let svc = ServiceBuilder::new().layer(layer(policy)).service(channel);
-                calls(LibraryClient::new(svc), n, None).await
+                calls(LibraryClient::new(svc), n, None, None).await
             }
             "layer-no-report" => {
                 let policy = RetryPolicy::default()
                     .with_idempotency_key(false)
                     .with_instance_header(None);
                 let svc = ServiceBuilder::new().layer(layer(policy)).service(channel);
-                calls(LibraryClient::new(svc), n, None).await
+                calls(LibraryClient::new(svc), n, None, None).await
             }
-            "bare-timeout" => calls_within(bare, n, None, Some(TIMEOUT)).await,
+            "bare-timeout" => calls(bare, n, None, Some(TIMEOUT)).await,
             "layer-no-key-timeout" => {
                 let policy = RetryPolicy::default().with_idempotency_key(false);
                 let svc = ServiceBuilder::new().layer(layer(policy)).service(channel);
-                calls_within(LibraryClient::new(svc), n, None, Some(TIMEOUT)).await
+                calls(LibraryClient::new(svc), n, None, Some(TIMEOUT)).await
             }
             other => panic!(
                 "STACK must be bare, bare-key, layer, layer-no-key, layer-no-report, bare-timeout or layer-no-key-timeout, not {other:?}"
