@@ -164,6 +164,8 @@ fn say_first_timeout(
         Said::Total => &policy.total_timeout,
         Said::Max => &policy.max_timeout,
     };
+    // NOTE: `said` was read from this policy, so its timeout is there; the
+    // call's own timeout formatted keeps this total without a panic.
     let value = match policys {
         Some(timeout) => timeout.header(),
         None => format_repeating(first.timeout),

@@ -128,9 +128,17 @@ const KEPT_TIMEOUTS: usize = 64;
 /// The kept value of `duration`'s `grpc-timeout`: made, and kept, the first
 /// time a policy sets that timeout.
 fn kept(duration: Duration) -> Option<HeaderValue> {
-    static KEPT: Mutex<Vec<(Duration, HeaderValue)>> = Mutex::new(Vec::new());
+    static KEPT: Kept = Mutex::new(Vec::new());
+    kept_in(&KEPT, duration)
+}
+
+/// The values kept, with the timeouts they say.
+type Kept = Mutex<Vec<(Duration, HeaderValue)>>;
+
+/// [`kept`], from and into `list`.
+fn kept_in(list: &Kept, duration: Duration) -> Option<HeaderValue> {
     // The list is only ever pushed to whole; a panic elsewhere leaves it whole.
-    let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut kept = list.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some((_, value)) = kept.iter().find(|(kept, _)| *kept == duration) {
         return Some(value.clone());
     }
@@ -244,35 +252,29 @@ mod tests {
 
     #[test]
     fn a_policys_timeout_is_said_by_one_kept_value_until_the_list_is_full() {
-        // Durations no other test sets (the kept list is the process's).
-        let odd = |n: u64| Duration::from_nanos(7_777_000_000_000 + n);
-        let first = PolicyTimeout::new(odd(0));
-        let again = PolicyTimeout::new(odd(0));
-        assert_eq!(first.header(), format_repeating(odd(0)));
-        assert!(
-            !first.header().is_sensitive(),
-            "it repeats: HPACK may index it"
-        );
-        // One value for both policies, over the same static bytes.
-        assert_eq!(
-            first.header().as_bytes().as_ptr(),
-            again.header().as_bytes().as_ptr()
-        );
-        // Past the limit nothing more is kept, and each call formats its own.
-        let made: Vec<_> = (1..=KEPT_TIMEOUTS as u64 + 1)
-            .map(|n| PolicyTimeout::new(odd(n)))
-            .collect();
-        let last = made.last().unwrap();
-        assert!(
-            last.header.is_none(),
-            "the list keeps at most {KEPT_TIMEOUTS}"
-        );
-        for (n, timeout) in (1..).zip(&made) {
-            assert_eq!(timeout.header(), format_repeating(odd(n)), "{n}");
+        // A list of the test's own: the process's is shared by every test.
+        let list = Kept::new(Vec::new());
+        let second = |n: u64| Duration::from_secs(n);
+        let first = kept_in(&list, second(0)).expect("room in the list");
+        let again = kept_in(&list, second(0)).expect("kept");
+        assert_eq!(first, format_repeating(second(0)));
+        assert!(!first.is_sensitive(), "it repeats: HPACK may index it");
+        // One value for both, over the same static bytes.
+        assert_eq!(first.as_bytes().as_ptr(), again.as_bytes().as_ptr());
+        // Past the limit nothing more is kept.
+        for n in 1..KEPT_TIMEOUTS as u64 {
+            assert_eq!(kept_in(&list, second(n)), Some(format_repeating(second(n))));
+        }
+        assert_eq!(kept_in(&list, second(KEPT_TIMEOUTS as u64)), None);
+        // What was kept stays kept.
+        let still = kept_in(&list, second(0)).expect("kept");
+        assert_eq!(still.as_bytes().as_ptr(), first.as_bytes().as_ptr());
+        // A policy's timeout says the right value either way.
+        for (duration, header) in [(second(3), kept_in(&list, second(3))), (second(100), None)] {
+            let timeout = PolicyTimeout { duration, header };
+            assert_eq!(timeout.header(), format_repeating(duration));
             assert!(!timeout.header().is_sensitive());
         }
-        // What was kept stays kept.
-        assert!(PolicyTimeout::new(odd(0)).header.is_some());
     }
 
     proptest! {
