@@ -217,7 +217,7 @@ pub struct RetryPolicy {
     pub(crate) max_delay: Duration,
     pub(crate) multiplier: f64,
     pub(crate) jitter: f64,
-    /// Draw each backoff from `[0, raw]` (A6's full jitter) instead of
+    /// Draw each backoff from `[0, raw]` ("full jitter") instead of
     /// `raw · (1 ± jitter)`.
     pub(crate) full_jitter: bool,
     pub(crate) retryable: RetryableCodes,
@@ -323,10 +323,14 @@ impl RetryPolicy {
     }
 
     /// Draws each backoff uniformly from `[0, raw]`, where
-    /// `raw = min(base_delay · multiplier^(k-1), max_delay)` — gRPC A6's
-    /// "full jitter", which grpc-java draws — instead of `raw · (1 ± jitter)`.
-    /// Policies read from a [service config](crate::service_config) back off
-    /// so; the builder's default keeps ±20 %.
+    /// `raw = min(base_delay · multiplier^(k-1), max_delay)` — "full jitter",
+    /// as AWS's architecture blog named it — instead of `raw · (1 ± jitter)`.
+    ///
+    /// gRPC's retry design (A6) drew full jitter until August 2024, and
+    /// grpc-java did until 1.80; A6, grpc-go, grpc-java and C-core now draw
+    /// `raw · random(0.8, 1.2)`, as this crate's default policy and every
+    /// policy read from a [service config](crate::service_config) do. Full
+    /// jitter spreads retries wider, and its mean wait is half as long.
     ///
     /// ```
     /// use std::time::Duration;

@@ -61,8 +61,10 @@
 //!   RetryInfo", belongs to [`RetryableCodes::default`], not to a list a
 //!   config writes.
 //! * The backoff is A6's: retry *n* waits
-//!   `random(0, min(initialBackoff · backoffMultiplier^(n-1), maxBackoff))`
-//!   ([`RetryPolicy::with_full_jitter`]), not the builder's ±20 %.
+//!   `min(initialBackoff · backoffMultiplier^(n-1), maxBackoff) · random(0.8, 1.2)`,
+//!   so a delay may be a little under `initialBackoff` or over `maxBackoff`,
+//!   as A6 says. The base policy's jitter is not used: every config backs off
+//!   by ±20 %, as grpc-go, grpc-java and C-core do.
 //! * `hedgingPolicy` ([`HedgePolicy`]), with A6's validation: `maxAttempts`
 //!   an integer greater than 1 (above 5 it counts as 5); `hedgingDelay` a
 //!   duration, zero or absent sending every attempt at once;
@@ -108,11 +110,12 @@
 //!
 //! This reader follows gRFC A6 and A21:
 //!
-//! * Backoff: A6's text and grpc-java (`RetriableStream`) draw
-//!   `random(0, x)`, as this reader's policies do. Current grpc-go draws
-//!   `x · random(0.8, 1.2)` (`stream.go`, `shouldRetry`), and C-core (grpcio)
-//!   a jitter of its own. The same JSON therefore spreads retries as
-//!   grpc-java does, not as grpc-go or grpcio.
+//! * Backoff: A6 draws `x · random(0.8, 1.2)`, as grpc-go (`stream.go`),
+//!   grpc-java (`RetriableStream`, from 1.80) and C-core (grpcio) do, and as
+//!   this reader's policies do. Older texts of A6, and grpc-java before 1.80,
+//!   drew "full jitter", `random(0, x)`: a policy that must spread its
+//!   retries as those did can ask for it
+//!   ([`RetryPolicy::with_full_jitter`]).
 //! * `RetryInfo`: grpc-go, grpc-java and C-core do not read it; this layer
 //!   waits for its delay when a status carries one, and treats a status
 //!   whose `grpc-status-details-bin` holds an unreadable `RetryInfo` as not
@@ -439,8 +442,9 @@ impl MethodConfig {
                 policy.max_delay = retry.max_backoff;
                 policy.multiplier = retry.multiplier;
                 policy.retryable = retry.codes;
-                // A6's backoff: random(0, min(initial · multiplier^(n-1), max)).
-                policy.full_jitter = true;
+                // A6's backoff: min(initial · multiplier^(n-1), max) · random(0.8, 1.2).
+                policy.jitter = A6_JITTER;
+                policy.full_jitter = false;
                 if let Some(timeout) = retry.per_attempt {
                     policy.attempt_timeout = Some(timeout);
                 }
@@ -453,6 +457,9 @@ impl MethodConfig {
         }
     }
 }
+
+/// A6's jitter: every backoff is its raw value times `random(0.8, 1.2)`.
+const A6_JITTER: f64 = 0.2;
 
 /// `base`, not retried.
 fn single_attempt(base: &RetryPolicy) -> RetryPolicy {
@@ -1231,26 +1238,44 @@ mod tests {
     }
 
     #[test]
-    fn policies_read_from_a_config_back_off_with_a6s_full_jitter() {
+    fn policies_read_from_a_config_back_off_as_a6_says_today() {
         let config = parse(&retry(
-            r#""maxAttempts": 5, "initialBackoff": "0.02s", "maxBackoff": "1s",
+            r#""maxAttempts": 5, "initialBackoff": "0.02s", "maxBackoff": "0.05s",
                "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]"#,
         ));
+        // Whatever jitter the base policy has, or full jitter asked of it.
+        for base in [
+            RetryPolicy::default(),
+            RetryPolicy::new(3, 20 * MS, 500 * MS, 0.9).unwrap(),
+            RetryPolicy::new(3, 20 * MS, 500 * MS, 0.0)
+                .unwrap()
+                .with_full_jitter(),
+        ] {
+            let policy = config.policies(&base).policy_for("/foo/Bar").clone();
+            assert!(!policy.full_jitter());
+            assert_eq!(policy.jitter(), 0.2);
+            // Retry 3's raw delay is the max, 50 ms: A6 lets it go over it.
+            for (retry, raw) in [(1, 20.0), (2, 40.0), (3, 50.0)] {
+                let draws: Vec<f64> = (0..4000)
+                    .map(|_| policy.delay_before(retry).as_secs_f64() * 1e3 / raw)
+                    .collect();
+                assert!(
+                    draws.iter().all(|d| (0.8 - 1e-9..=1.2 + 1e-9).contains(d)),
+                    "retry {retry}: every delay within [0.8, 1.2] of {raw} ms"
+                );
+                let (low, high) = draws
+                    .iter()
+                    .fold((f64::MAX, f64::MIN), |(l, h), d| (l.min(*d), h.max(*d)));
+                assert!(
+                    low < 0.805 && high > 1.195,
+                    "retry {retry}: both ends reached, got [{low}, {high}]"
+                );
+            }
+        }
         let policy = config
             .policies(&RetryPolicy::default())
             .policy_for("/foo/Bar")
             .clone();
-        assert!(policy.full_jitter());
-        assert!(
-            !RetryPolicy::default().full_jitter(),
-            "the builder's default keeps ±20 %"
-        );
-        let draws: Vec<Duration> = (0..1000).map(|_| policy.delay_before(1)).collect();
-        assert!(draws.iter().all(|d| *d <= 20 * MS));
-        assert!(
-            draws.iter().any(|d| *d < 5 * MS),
-            "spread from 0, not 16–24 ms"
-        );
         // A listed code is retried whatever else the status carries, as A6,
         // grpc-go and grpc-java retry it.
         assert_eq!(
@@ -1307,9 +1332,10 @@ mod tests {
         ));
         let base = RetryPolicy::new(3, 20 * MS, 500 * MS, 0.0).unwrap();
         let table = config.policies(&base);
-        // The raw backoff is the max; A6's jitter draws from [0, it].
+        // The raw backoff is the max; A6's jitter draws from 0.8 to 1.2 of it.
         assert_eq!(table.policy_for("/foo/Bar").jittered(1, 1.0), 5 * MS);
-        assert!(table.policy_for("/foo/Bar").delay_before(1) <= 5 * MS);
+        let delay = table.policy_for("/foo/Bar").delay_before(1);
+        assert!(delay >= 4 * MS && delay <= 6 * MS, "{delay:?}");
     }
 
     #[test]
