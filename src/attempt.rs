@@ -877,8 +877,12 @@ where
                             let limits = (*this.cut, *this.deadline, *min_attempt_budget);
                             match send(&mut req, limits, retry) {
                                 Ok(()) => {
-                                    if <Trace<M> as CallRecord>::ON && req.body().is_retry() {
-                                        if req.body().is_hedge() {
+                                    if <Trace<M> as CallRecord>::ON
+                                        && (req.body().is_retry() || req.body().is_transparent())
+                                    {
+                                        if req.body().is_transparent() {
+                                            trace.transparent_retry();
+                                        } else if req.body().is_hedge() {
                                             trace.hedge();
                                         } else {
                                             trace.retry();
@@ -996,7 +1000,10 @@ fn send<B, Bu: Budget, M: Metrics>(
         // attempt before it read on and outgrew a replay limit. A body that
         // cannot be sent whole is not sent, nor paid for.
         req.body().whole().map_err(Failure::Unreplayable)?;
-        if req.body().is_retry() {
+        if req.body().is_transparent() {
+            // In place of an attempt the server refused: not paid for.
+            shared.metrics.record(Event::TransparentRetry);
+        } else if req.body().is_retry() {
             let paid = shared.budget.withdraw();
             shared.budget_moved();
             if !paid {

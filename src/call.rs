@@ -28,7 +28,8 @@ use tower::retry::Policy;
 use crate::attempt::{Cut, Failure};
 use crate::body::{Credit, ResponseBody};
 use crate::classify::{
-    Verdict, classify_error, classify_response, classify_timeout, describe, repair_status_details,
+    Verdict, classify_error, classify_response, classify_timeout, describe, is_refused_stream,
+    repair_status_details,
 };
 use crate::deadline::GRPC_TIMEOUT;
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
@@ -67,6 +68,9 @@ struct CallState {
     /// A retry was decided after an attempt that was sent: the call retried,
     /// sent or not, so giving up on it is marked.
     retried: bool,
+    /// The call's one transparent retry was decided: an attempt's stream
+    /// was refused by the server, and the attempt sent again.
+    transparent: bool,
 }
 
 /// How the last failed attempt of a call ended: what its caller gets if no
@@ -149,6 +153,7 @@ impl<Bu, M> CallPolicy<Bu, M> {
                 tried,
                 last: None,
                 retried: false,
+                transparent: false,
             },
         }
     }
@@ -604,6 +609,40 @@ pub(crate) fn not_replayable<Bu>(
     }
 }
 
+/// The call's one transparent retry, after an attempt whose stream the
+/// server's HTTP/2 library refused: sent at once, whatever the policy, if the
+/// body can be sent whole again and the call has time for an attempt. Not
+/// counted among the policy's attempts (the refused one is not either, so
+/// the retry carries the same `grpc-previous-rpc-attempts`), nor charged to
+/// the budget or to gRPC's throttle; its failed instance is not marked, as
+/// nothing failed there. `None` where it cannot be sent: the policy decides.
+#[cold]
+#[inline(never)]
+fn transparent_retry<B, Bu: Budget, M: Metrics>(
+    state: &mut CallState,
+    policy: &RetryPolicy,
+    shared: &Local<Bu, M>,
+    req: &mut impl RetryCopy<B>,
+) -> Option<Backoff> {
+    if req.body().whole().is_err() {
+        return None;
+    }
+    let remaining = state.remaining();
+    if remaining.is_some_and(|left| left <= policy.min_attempt_budget) {
+        return None;
+    }
+    state.transparent = true;
+    // It was sent, and answered nothing: counted as an attempt.
+    shared.count_attempt();
+    req.body_mut().set_transparent(true);
+    tracing::debug!(
+        attempt = state.made,
+        remaining = ?remaining,
+        "the server refused the stream before its application saw it; sending it again (transparent retry)"
+    );
+    Some(Backoff::new(Duration::ZERO))
+}
+
 /// The message of the `UNAVAILABLE` a caller gets when the last attempt got
 /// no response at all.
 pub(crate) fn no_response_message(made: u32, error: &str) -> String {
@@ -737,7 +776,7 @@ where
                 );
                 *result = Ok(state.last_status(&error));
                 let marked = policy.retry_at_one_layer && state.retried;
-                return end_call(req, result, marked, metrics);
+                return end_call(req, result, (marked, true, state.sent), metrics);
             }
             Err(Failure::NoBudget) => {
                 self.shared.record(Event::RefusedByBudget);
@@ -752,7 +791,12 @@ where
                     let message = format!("retry budget exhausted; {}", state.ended_with(None));
                     status_response(Code::ResourceExhausted, message)
                 });
-                return end_call(req, result, policy.retry_at_one_layer, metrics);
+                return end_call(
+                    req,
+                    result,
+                    (policy.retry_at_one_layer, true, state.sent),
+                    metrics,
+                );
             }
             Err(Failure::Unreplayable(why)) => {
                 let reason = not_replayable(*why, shared, policy, false);
@@ -764,9 +808,19 @@ where
                 *result = Ok(state.last_status(reason));
                 // Not retried after all: marked only if an earlier retry was sent.
                 let marked = policy.retry_at_one_layer && state.sent > 1;
-                return end_call(req, result, marked, metrics);
+                return end_call(req, result, (marked, true, state.sent), metrics);
             }
             _ => {}
+        }
+
+        // A stream the server's HTTP/2 library refused: sent again at once,
+        // once a call, whatever the policy, as gRPC's transparent retry.
+        if let Err(Failure::Transport(error)) = &*result
+            && !state.transparent
+            && is_refused_stream(&**error)
+            && let Some(backoff) = transparent_retry(state, policy, &self.shared, req)
+        {
+            return Some(backoff);
         }
 
         // An attempt cut before it was sent got no answer; one the deadline
@@ -896,6 +950,7 @@ where
             }
             Decision::Retry { delay } => {
                 state.remember(result);
+                req.body_mut().set_transparent(false);
                 if state.sent > 0 {
                     // An attempt was sent: the next one is a retry.
                     state.retried = true;
@@ -909,20 +964,23 @@ where
                     req.extensions_mut().insert(state.tried.clone());
                 }
                 state.made += 1;
-                if state.made >= policy.max_attempts {
-                    // After this attempt no retry can follow: once it has
-                    // replayed the body, the copy goes.
+                if state.made >= policy.max_attempts && state.transparent {
+                    // After this attempt no retry can follow (not even a
+                    // transparent one): once it has replayed the body, the
+                    // copy goes.
                     req.body_mut().mark_last();
                 }
                 return Some(Backoff::new(delay));
             }
         }
-        end_call(req, result, marked, metrics)
+        let failed = !verdict.is_success();
+        end_call(req, result, (marked, failed, state.sent), metrics)
     }
 }
 
 /// The call ends with `result`: marked "do not retry" for the layers above
-/// if `marked`, and the replay copy released.
+/// if `marked`, handed back its attempt count if `sent` attempts were sent
+/// and its idempotency key if it `failed`, and the replay copy released.
 // NOTE: inlined whatever features are compiled: with `opentelemetry`
 // the caller grew past the inliner's limit and this went out of line,
 // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
@@ -930,14 +988,41 @@ where
 fn end_call<B, RB, M: Metrics>(
     req: &impl RetryCopy<B>,
     result: &mut Result<Response<ResponseBody<RB, M>>, Failure>,
-    marked: bool,
+    (marked, failed, sent): (bool, bool, u32),
     metrics: &RetryMetrics,
 ) -> Option<Backoff> {
-    if marked && let Ok(response) = result {
-        mark_given_up(response, metrics);
+    if let Ok(response) = result {
+        if marked {
+            mark_given_up(response, metrics);
+        }
+        if failed || sent > 1 {
+            let key = failed.then(|| req.header(&IDEMPOTENCY_KEY)).flatten();
+            hand_back(response, sent.saturating_sub(1), key);
+        }
     }
     req.body().release();
     None
+}
+
+/// What a call's answer tells its caller of how it went (gRPC A6 allows the
+/// first): `grpc-previous-rpc-attempts`, the attempts sent before the one
+/// that answered, where there were any; and `key`, the idempotency key the
+/// call's attempts carried, on a failed call's status, so that its caller
+/// can send the call again later under the same key.
+#[cold]
+#[inline(never)]
+pub(crate) fn hand_back<RB, M: Metrics>(
+    response: &mut Response<ResponseBody<RB, M>>,
+    previous: u32,
+    key: Option<&HeaderValue>,
+) {
+    let headers = response.headers_mut();
+    if previous > 0 {
+        headers.insert(PREVIOUS_ATTEMPTS, previous_attempts(previous));
+    }
+    if let Some(key) = key {
+        headers.insert(IDEMPOTENCY_KEY, key.clone());
+    }
 }
 
 /// Marks a failure this layer gave up on "do not retry" for the layers above

@@ -276,6 +276,31 @@ pub(crate) fn is_timeout(error: &(dyn Error + 'static)) -> bool {
         .any(|e| e.is::<tonic::TimeoutExpired>() || e.is::<tower::timeout::error::Elapsed>())
 }
 
+/// Whether an inner service's error says the server's HTTP/2 library turned
+/// the stream away before its application saw it: the stream was reset with
+/// `REFUSED_STREAM`, or a `GOAWAY` said the server would process no stream
+/// numbered as high as this one. gRPC retries such an attempt once, at once,
+/// whatever the method's policy ("transparent retries"): nothing was done,
+/// and the request is known not to have been read.
+///
+/// Only what the peer said counts: a reset or `GOAWAY` this side sent
+/// (a cancelled call, a connection this side closed) is not one. And only a
+/// graceful `GOAWAY` (`NO_ERROR`): when a connection closes after a `GOAWAY`
+/// with an error code, h2 fails the streams the server may have processed
+/// with that same error, so it does not tell the refused ones apart.
+pub(crate) fn is_refused_stream(error: &(dyn Error + 'static)) -> bool {
+    sources(error)
+        .filter_map(|e| e.downcast_ref::<h2::Error>())
+        .any(|e| {
+            e.is_remote()
+                && match e.reason() {
+                    Some(h2::Reason::REFUSED_STREAM) => e.is_reset(),
+                    Some(h2::Reason::NO_ERROR) => e.is_go_away(),
+                    _ => false,
+                }
+        })
+}
+
 /// A `tonic::Status` carried by an inner service's error, which tonic's client
 /// would report as that status.
 pub(crate) fn status_in<'a>(error: &'a (dyn Error + 'static)) -> Option<&'a tonic::Status> {

@@ -50,7 +50,8 @@
 //! | outcome of one attempt | retried? |
 //! |---|---|
 //! | `UNAVAILABLE` | yes |
-//! | no response at all (connection refused or reset, stream refused) | yes, as `UNAVAILABLE` |
+//! | a stream the server's HTTP/2 library turned away before its application saw it (`REFUSED_STREAM`, or above a graceful `GOAWAY`'s last stream) | at once, once a call, whatever the method's policy (one attempt, or hedging): gRPC's *transparent retry*, not counted toward `max_attempts` nor paid for from the budget |
+//! | no response at all otherwise (connection refused or reset) | yes, as `UNAVAILABLE` |
 //! | `DEADLINE_EXCEEDED`, or the attempt's time ran out (the layer's cut, the Channel's `grpc-timeout`, a server's `CANCELLED` for it) | while the call's deadline has room |
 //! | `RESOURCE_EXHAUSTED` | only with `google.rpc.RetryInfo`, after its `retry_delay` (a set you write retries it always, as A6 does: [`RetryWhen`]) |
 //! | `ABORTED` | never: a conflict the caller must re-read and resolve |
@@ -74,6 +75,43 @@
 //! `RESOURCE_EXHAUSTED`, naming the last attempt's code, which a tonic client
 //! reports as a [`tonic::Status`]. A call whose last attempt got no response at
 //! all ends as `UNAVAILABLE`, naming the transport error.
+//!
+//! # What the answer tells the caller
+//!
+//! A call answered by a later attempt says how many came before it:
+//! [`grpc-previous-rpc-attempts`](PREVIOUS_ATTEMPTS) on the response's
+//! metadata, or its status's (gRPC A6 allows it), for retries and hedges
+//! alike; a call answered by its first attempt gets nothing added. A failed
+//! call hands back the idempotency key its attempts carried
+//! ([`x-idempotency-key`](IDEMPOTENCY_KEY), on its status's metadata), so
+//! that its caller can send a write again later under the same key, and a
+//! server that applied it once applies it once. (A failure a server sends
+//! in the trailers of an answer that had begun is handed over as the server
+//! sent it: the count is on the answer's headers, the key is not added.) A
+//! tonic caller reads both from `response.metadata()` or
+//! `status.metadata()`:
+//!
+//! ```
+//! use tonic::body::Body;
+//! use tonic_retry::{IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, RetryBudget, RetryLayer, RetryPolicy};
+//! use tower::{BoxError, Layer, ServiceExt};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), BoxError> {
+//! let down = tower::service_fn(|_req: http::Request<Body>| async {
+//!     Ok::<_, BoxError>(tonic::Status::unavailable("down").into_http::<Body>())
+//! });
+//! let layer = RetryLayer::new(RetryPolicy::default(), RetryBudget::new(200, 0.1)?);
+//! let response = layer.layer(down).oneshot(http::Request::new(Body::empty())).await?;
+//! let status = tonic::Status::from_header_map(response.headers()).expect("a status");
+//! assert_eq!(status.code(), tonic::Code::Unavailable);
+//! // Two attempts came before the third, which answered...
+//! assert_eq!(status.metadata().get(PREVIOUS_ATTEMPTS.as_str()).unwrap(), "2");
+//! // ...and the key all three carried comes back.
+//! assert!(status.metadata().get(IDEMPOTENCY_KEY.as_str()).is_some());
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! # Readiness and backpressure
 //!

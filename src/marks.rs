@@ -11,9 +11,13 @@ use http::{HeaderName, HeaderValue};
 use crate::classify::{Pushback, pushback_value};
 use crate::status::RETRY_PUSHBACK;
 
-/// The request header carrying the call's idempotency key.
+/// The request header carrying the call's idempotency key; a failed call's
+/// status carries it back to the caller (see the
+/// [crate docs](crate#what-the-answer-tells-the-caller)).
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency-key");
-/// The request header on attempt `n + 1` carrying `n` (gRPC A6).
+/// The request header on attempt `n + 1` carrying `n` (gRPC A6); on the
+/// answer of a call that took more than one attempt, the attempts before
+/// the one that answered.
 pub const PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
 /// The request header naming, comma-separated, the instances that failed
 /// earlier attempts of this call.

@@ -22,6 +22,7 @@ struct Counters {
     /// its own stripe ([`thread_stripe`]).
     attempts: [Padded<AtomicU64>; STRIPES],
     retries: AtomicU64,
+    transparent_retries: AtomicU64,
     refused_by_budget: AtomicU64,
     refused_by_deadline: AtomicU64,
     retried_below: AtomicU64,
@@ -40,6 +41,7 @@ struct Counters {
 // NOTE: `pub` in a private module: the recorders' sealed trait takes it.
 pub enum Event {
     Retry,
+    TransparentRetry,
     RefusedByBudget,
     RefusedByDeadline,
     RetriedBelow,
@@ -57,6 +59,7 @@ impl RetryMetrics {
         let c = &self.inner;
         let counter = match event {
             Event::Retry => &c.retries,
+            Event::TransparentRetry => &c.transparent_retries,
             Event::RefusedByBudget => &c.refused_by_budget,
             Event::RefusedByDeadline => &c.refused_by_deadline,
             Event::RetriedBelow => &c.retried_below,
@@ -92,6 +95,16 @@ impl RetryMetrics {
     /// Retries sent, each paid for with one token when it was sent.
     pub fn retries(&self) -> u64 {
         self.inner.retries.load(Ordering::Relaxed)
+    }
+
+    /// Transparent retries sent: attempts sent again at once because the
+    /// server's HTTP/2 library refused their stream before its application
+    /// saw them (`REFUSED_STREAM`, or a graceful `GOAWAY` that did not
+    /// take them), at most one a call, whatever its policy. Never paid for,
+    /// never counted toward a policy's attempts; not counted in
+    /// [`retries`](Self::retries) or [`hedges`](Self::hedges).
+    pub fn transparent_retries(&self) -> u64 {
+        self.inner.transparent_retries.load(Ordering::Relaxed)
     }
 
     /// Hedges sent (attempts of a hedged call after its first), each paid

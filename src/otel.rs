@@ -24,10 +24,12 @@
 //!   (`CANCELLED`, for a hedge that lost).
 //! * A call ends when the response the caller gets ends; a call the caller
 //!   drops first ends `CANCELLED`. Its retry counts are recorded then, when
-//!   not zero (A96): `retries` counts retries the policy sent, `hedges` the
-//!   hedges, `transparent_retries` the retries of attempts that got no
-//!   response at all (a refused stream, a connection refused or dropped
-//!   before any answer). `retry_delay` is the time the call had no attempt in
+//!   not zero (A96): `retries` counts retries the policy sent (after a
+//!   connection refused or dropped too: the policy paces and pays for
+//!   those), `hedges` the hedges, `transparent_retries` gRPC's transparent
+//!   retries, each the one attempt a call sends again at once because the
+//!   server's HTTP/2 library refused the stream before its application saw
+//!   it (`REFUSED_STREAM`, or a graceful `GOAWAY` that did not take it). `retry_delay` is the time the call had no attempt in
 //!   flight after its first (backoffs, server-given delays, waiting for a
 //!   ready service), recorded for calls that retried or hedged.
 //! * `grpc.status` is the code's name as gRPC spells it (`OK`,
@@ -438,9 +440,6 @@ struct CallState {
     active: u32,
     /// Since when no attempt is in flight (after one was).
     idle_since: Option<Instant>,
-    /// The attempt that ended last got no response at all: a retry after it
-    /// is transparent.
-    no_response: bool,
     ended: bool,
 }
 
@@ -577,12 +576,11 @@ mod traces {
         }
 
         fn retry(&self) {
-            let mut state = self.0.state();
-            if std::mem::take(&mut state.no_response) {
-                state.transparent_retries += 1;
-            } else {
-                state.retries += 1;
-            }
+            self.0.state().retries += 1;
+        }
+
+        fn transparent_retry(&self) {
+            self.0.state().transparent_retries += 1;
         }
 
         fn hedge(&self) {
@@ -623,9 +621,6 @@ mod traces {
         }
 
         fn no_response(&mut self) {
-            if let Some(started) = &self.0 {
-                started.call.state().no_response = true;
-            }
             self.end(Code::Unavailable);
         }
 
@@ -725,6 +720,12 @@ impl CallRecord for Option<CallMetrics> {
     fn retry(&self) {
         if let Some(call) = self {
             call.retry();
+        }
+    }
+
+    fn transparent_retry(&self) {
+        if let Some(call) = self {
+            call.transparent_retry();
         }
     }
 

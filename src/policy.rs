@@ -294,7 +294,9 @@ impl RetryPolicy {
     /// A policy that never retries: one attempt, no idempotency key generated,
     /// no instance ids learned. A call under it passes through the layer with
     /// only its deadline applied (see [`MethodPolicies`](crate::MethodPolicies),
-    /// where it is the default for methods without a policy).
+    /// where it is the default for methods without a policy), and gRPC's
+    /// transparent retry: a stream the server refused before its application
+    /// saw it is sent once more, at once.
     pub fn no_retry() -> Self {
         let mut policy = Self::new(1, Duration::ZERO, Duration::ZERO, 0.0)
             .expect("one attempt and no delays are valid");

@@ -96,6 +96,9 @@ impl Marks {
     /// An attempt sent whose clone of a [`Whole`] body has yet to read it
     /// all: one of the body's readers.
     const READING: u8 = 1 << 4;
+    /// The clone goes out as a transparent retry: sent again because the
+    /// server refused the stream of the attempt before it, and not paid for.
+    const TRANSPARENT: u8 = 1 << 5;
 
     fn has(self, mark: u8) -> bool {
         self.0 & mark != 0
@@ -327,11 +330,15 @@ impl AtOnce {
 /// The epoch of a clone that was never sent.
 const UNSENT: u32 = u32::MAX;
 
-/// A hedged call's attempt `number` (1 to 5), or 0 for none.
+/// How many attempts a hedged call may send: its policy's five at most, and
+/// one transparent retry.
+const HEDGE_SLOTS: usize = crate::policy::MAX_ATTEMPTS_LIMIT as usize + 1;
+
+/// A hedged call's attempt `number` (1 to [`HEDGE_SLOTS`]), or 0 for none.
 fn attempt_number(number: u32) -> u8 {
     u8::try_from(number)
         .ok()
-        .filter(|n| (1..=5).contains(n))
+        .filter(|n| (1..=HEDGE_SLOTS as u8).contains(n))
         .unwrap_or(0)
 }
 
@@ -396,10 +403,10 @@ struct Shared<B> {
     /// The instance a balancer below reported for the current attempt
     /// (see [`PickedInstance`]): every attempt's request carries this state.
     picked: Option<HeaderValue>,
-    /// A hedged call's attempts 1 to 5: the epoch each was sent as, and
-    /// how far each has read.
-    hedge_epochs: [u32; 5],
-    hedge_pos: [usize; 5],
+    /// A hedged call's attempts 1 to 6 (five and a transparent retry): the
+    /// epoch each was sent as, and how far each has read.
+    hedge_epochs: [u32; HEDGE_SLOTS],
+    hedge_pos: [usize; HEDGE_SLOTS],
     /// A hedged call's attempts whose clone is alive (bit `n - 1` for
     /// attempt `n`).
     alive: u8,
@@ -786,19 +793,13 @@ impl<B: Body> ReplayBody<B> {
             .exact()
             .filter(|size| *size <= limit as u64)
             .and_then(|size| usize::try_from(size).ok());
-        Self::with_state(body, limit, (capped, fits), false, memory, pull)
-    }
-
-    /// Wraps `body` for a call that will never be retried: nothing is copied.
-    pub(crate) fn unreplayable(body: B) -> Self {
-        Self::with_state(body, 0, (false, None), true, None, None)
+        Self::with_state(body, limit, (capped, fits), memory, pull)
     }
 
     fn with_state(
         body: B,
         limit: usize,
         (capped, fits): (bool, Option<usize>),
-        final_attempt: bool,
         memory: Option<Arc<dyn Account>>,
         pull: Option<Pull<B>>,
     ) -> Self {
@@ -818,8 +819,8 @@ impl<B: Body> ReplayBody<B> {
                 reserved: 0,
                 live: 0,
                 live_pos: 0,
-                only: final_attempt.then_some(0),
-                released: final_attempt,
+                only: None,
+                released: false,
                 stalled: false,
                 concurrent: false,
                 fits,
@@ -828,8 +829,8 @@ impl<B: Body> ReplayBody<B> {
                 trailers: None,
                 waiting: Vec::new(),
                 picked: None,
-                hedge_epochs: [UNSENT; 5],
-                hedge_pos: [0; 5],
+                hedge_epochs: [UNSENT; HEDGE_SLOTS],
+                hedge_pos: [0; HEDGE_SLOTS],
                 alive: 0,
                 heir: 0,
                 drainable: 0,
@@ -984,7 +985,23 @@ impl<B> ReplayBody<B> {
     /// An attempt after attempts that were never sent is no retry (it adds
     /// no load the server did not already miss) and is not paid for.
     pub(crate) fn set_retry(&mut self) {
+        self.marks.clear(Marks::TRANSPARENT);
         self.marks.set(Marks::RETRY);
+    }
+
+    /// Marks this clone as a transparent retry, or not: sent again in place
+    /// of an attempt whose stream the server refused, it is not paid for.
+    pub(crate) fn set_transparent(&mut self, transparent: bool) {
+        if transparent {
+            self.marks.set(Marks::TRANSPARENT);
+        } else {
+            self.marks.clear(Marks::TRANSPARENT);
+        }
+    }
+
+    /// Whether this clone goes out as a transparent retry.
+    pub(crate) fn is_transparent(&self) -> bool {
+        self.marks.has(Marks::TRANSPARENT)
     }
 
     /// Whether this clone goes out as a retry.
@@ -2103,19 +2120,6 @@ mod tests {
         );
         assert_eq!(kept(&last), 0, "and nothing more is copied");
         assert!(last.frame().await.is_none());
-    }
-
-    #[tokio::test]
-    async fn a_body_that_is_never_retried_keeps_nothing() {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut body = ReplayBody::unreplayable(StreamBody::new(UnboundedReceiverStream::new(rx)));
-        tx.send(data("x")).unwrap();
-        assert_eq!(
-            body.frame().await.unwrap().unwrap().into_data().unwrap(),
-            "x"
-        );
-        assert_eq!(kept(&body), 0);
-        assert!(!body.is_replayable());
     }
 
     #[tokio::test]

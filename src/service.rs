@@ -314,25 +314,24 @@ where
         }
         let tried = callers_mark(&mut parts, already_tried);
 
-        let body = if policy.max_attempts > 1 {
-            let memory = Some(Arc::clone(&self.shared) as Arc<dyn Account>);
-            if policy.hedge.is_some() {
-                ReplayBody::hedged(body, policy.replay_limit, memory)
-            } else if self.ready
-                && timeout != Some(Duration::ZERO)
-                && policy.attempt_timeout != Some(Duration::ZERO)
-            {
-                // The first attempt is sent now (its service is ready, and
-                // no limit cuts it before it goes): what its body has ready
-                // is read, and counted in the layer's memory, from now on.
-                ReplayBody::at_once(body, policy.replay_limit, memory)
-            } else {
-                // It waits for the service first: its body is read, and
-                // counted, only once it is sent.
-                ReplayBody::sharing(body, policy.replay_limit, memory)
-            }
+        // NOTE: a method that is never retried keeps a copy too: a stream
+        // the server refuses is sent again whatever the policy (gRPC's
+        // transparent retry). The copy goes as soon as the answer starts.
+        let memory = Some(Arc::clone(&self.shared) as Arc<dyn Account>);
+        let body = if policy.hedge.is_some() {
+            ReplayBody::hedged(body, policy.replay_limit, memory)
+        } else if self.ready
+            && timeout != Some(Duration::ZERO)
+            && policy.attempt_timeout != Some(Duration::ZERO)
+        {
+            // The first attempt is sent now (its service is ready, and
+            // no limit cuts it before it goes): what its body has ready
+            // is read, and counted in the layer's memory, from now on.
+            ReplayBody::at_once(body, policy.replay_limit, memory)
         } else {
-            ReplayBody::unreplayable(body)
+            // It waits for the service first: its body is read, and
+            // counted, only once it is sent.
+            ReplayBody::sharing(body, policy.replay_limit, memory)
         };
 
         // NOTE: the first attempt goes through the instance `poll_ready`

@@ -73,9 +73,12 @@ pub(crate) mod sealed {
         /// An attempt is sent now: counted, timed until it ends.
         fn attempt(&self) -> Self::Attempt;
 
-        /// A retry is being sent (a transparent one if the attempt before
-        /// it got no response).
+        /// A retry the policy decided is being sent.
         fn retry(&self);
+
+        /// A transparent retry is being sent: the attempt before it was
+        /// refused by the server's HTTP/2 library.
+        fn transparent_retry(&self);
 
         /// A hedge is being sent.
         fn hedge(&self);
@@ -95,8 +98,7 @@ pub(crate) mod sealed {
         /// The attempt ended with `code`.
         fn end(&mut self, code: Code);
 
-        /// The attempt got no response at all: ends `UNAVAILABLE`, and a
-        /// retry after it is transparent.
+        /// The attempt got no response at all: ends `UNAVAILABLE`.
         fn no_response(&mut self);
 
         /// The attempt's response goes to the caller: its end is the call's.
@@ -131,6 +133,9 @@ pub(crate) mod sealed {
 
         #[inline(always)]
         fn retry(&self) {}
+
+        #[inline(always)]
+        fn transparent_retry(&self) {}
 
         #[inline(always)]
         fn hedge(&self) {}

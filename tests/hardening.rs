@@ -784,7 +784,10 @@ async fn once_the_call_commits_the_replay_copy_goes_and_nothing_more_is_copied()
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_call_with_one_attempt_copies_nothing() {
+async fn a_call_with_one_attempt_keeps_its_copy_only_until_its_answer_starts() {
+    // A stream the server refuses is sent again whatever the policy, so a
+    // call of one attempt keeps a copy too, but only until the answer
+    // starts: then nothing is kept, and nothing more is copied.
     let (mut svc, mut handle, _) = setup(policy(1), budget());
     let (tx, req) = streaming_request();
     let call = spawn_call(&mut svc, req).await;
@@ -793,13 +796,18 @@ async fn a_call_with_one_attempt_copies_nothing() {
     let (sent, mine) = fresh_chunk(0);
     tx.send(Ok(Frame::data(sent))).unwrap();
     drop(body.frame().await.unwrap().unwrap());
-    assert!(mine.is_unique(), "a body never replayed was copied");
+    assert!(!mine.is_unique(), "kept while the stream may be refused");
     send.send_response(ok());
     call.await.unwrap().unwrap();
+    assert!(mine.is_unique(), "the copy was released at the answer");
+    let (sent, next) = fresh_chunk(1);
+    tx.send(Ok(Frame::data(sent))).unwrap();
+    drop(body.frame().await.unwrap().unwrap());
+    assert!(next.is_unique(), "a chunk was copied after the answer");
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_last_attempt_drops_the_copy_once_it_has_replayed_it() {
+async fn the_last_attempt_drops_the_copy_once_its_answer_starts() {
     let (mut svc, mut handle, _) = setup(policy(2), budget());
     let (tx, req) = streaming_request();
     let call = spawn_call(&mut svc, req).await;
@@ -810,15 +818,20 @@ async fn the_last_attempt_drops_the_copy_once_it_has_replayed_it() {
     drop(body.frame().await.unwrap().unwrap());
     drop(body);
     send.send_response(status(Code::Unavailable));
-    // The second and last attempt replays the first chunk, then reads on.
+    // The second and last attempt replays the first chunk, then reads on;
+    // the copy is kept while its stream may still be refused.
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
     drop(body.frame().await.unwrap().unwrap());
-    assert!(first.is_unique(), "the copy outlived its last reader");
     let (sent, second) = fresh_chunk(1);
     tx.send(Ok(Frame::data(sent))).unwrap();
     drop(body.frame().await.unwrap().unwrap());
-    assert!(second.is_unique(), "a chunk was copied with no retry left");
     send.send_response(ok());
     call.await.unwrap().unwrap();
+    assert!(first.is_unique(), "the copy outlived the answer");
+    assert!(second.is_unique(), "the copy outlived the answer");
+    let (sent, third) = fresh_chunk(2);
+    tx.send(Ok(Frame::data(sent))).unwrap();
+    drop(body.frame().await.unwrap().unwrap());
+    assert!(third.is_unique(), "a chunk was copied after the answer");
 }

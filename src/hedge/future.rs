@@ -23,18 +23,21 @@ use crate::attempt::{Attempt, AttemptFuture, Cut, Failure};
 use crate::body::{Credit, ResponseBody};
 use crate::budget::Budget;
 use crate::call::{
-    Last, failure_response, mark_given_up, no_response_message, not_replayable, previous_attempts,
+    Last, failure_response, hand_back, mark_given_up, no_response_message, not_replayable,
+    previous_attempts,
 };
 use crate::classify::{
-    Verdict, classify_error, classify_response, describe, repair_status_details,
+    Verdict, classify_error, classify_response, describe, is_refused_stream, repair_status_details,
 };
 use crate::hedge::Latencies;
-use crate::marks::{ALREADY_TRIED, AlreadyTried, PREVIOUS_ATTEMPTS, PickedInstance};
+use crate::marks::{
+    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, PickedInstance,
+};
 use crate::metrics::Event;
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
 use crate::shared::{Local, Shared};
-use crate::status::{as_grpc_status, code_name, status_response};
+use crate::status::{GRPC_STATUS, as_grpc_status, code_name, status_response};
 use crate::trace::Metrics;
 
 /// The balancer's report of one attempt's instance.
@@ -48,6 +51,18 @@ struct InFlight<F> {
     slot: Slot,
     /// When it was started, for the adaptive delay.
     started: Instant,
+    /// A transparent retry: it took no place under the extra-load cap.
+    transparent: bool,
+}
+
+impl<F> InFlight<F> {
+    /// It was never sent: the place it took under the policy's extra-load
+    /// cap, if any, is given back.
+    fn never_sent(&self, plan: &crate::hedge::HedgePlan) {
+        if !self.transparent {
+            plan.never_sent(self.number);
+        }
+    }
 }
 
 pin_project! {
@@ -71,8 +86,14 @@ pin_project! {
         // The timer is a server's pushback: an answer without one does not
         // cut it short.
         pushed: bool,
-        // Attempts started.
+        // Attempts started, a transparent retry included.
         started: u32,
+        // The number of the attempt whose stream the server refused, once
+        // the call's one transparent retry was sent for it (0 before).
+        transparent: u32,
+        // The idempotency key the call's attempts carry, handed back on a
+        // failed call's status.
+        key: Option<HeaderValue>,
         // Attempts that reached the inner service.
         sent: u32,
         // No more hedges: pushback said so, the budget or the cap refused,
@@ -108,7 +129,7 @@ pin_project! {
             let this = this.project();
             if let Some(plan) = this.shared.policies.get(*this.policy).hedge.as_deref() {
                 for attempt in this.inflight.iter().filter(|a| !a.future.is_sent()) {
-                    plan.never_sent(attempt.number);
+                    attempt.never_sent(plan);
                 }
             }
         }
@@ -130,6 +151,7 @@ where
     ) -> Self {
         // Hedges read the body side by side with the attempt before them.
         request.body().set_concurrent();
+        let key = request.headers().get(IDEMPOTENCY_KEY).cloned();
         let latencies = shared
             .policies
             .get(policy)
@@ -147,6 +169,8 @@ where
             due: true,
             pushed: false,
             started: 0,
+            transparent: 0,
+            key,
             sent: 0,
             frozen: false,
             deadline,
@@ -199,6 +223,49 @@ where
                 };
                 progressed = true;
                 let done = this.inflight.remove(i);
+                // A stream the server's HTTP/2 library refused: sent again at
+                // once, once a call, as gRPC's transparent retry (see
+                // `crate::call`): not a hedge, not counted, not paid for.
+                if *this.transparent == 0
+                    && let Err(Failure::Transport(error)) = &outcome
+                    && is_refused_stream(&**error)
+                    && let Some(template) = this.template.as_ref()
+                    && template.body().whole().is_ok()
+                    && this.deadline.is_none_or(|end| {
+                        end.saturating_duration_since(Instant::now()) > policy.min_attempt_budget
+                    })
+                {
+                    this.shared.count_attempt();
+                    tracing::debug!(
+                        attempt = done.number,
+                        "the server refused the stream before its application saw it; sending it again (transparent retry)"
+                    );
+                    let mut request =
+                        next_request(template, *this.started, this.failed, this.inflight, policy);
+                    // The refused attempt is not counted among those sent
+                    // before it.
+                    match *this.started - 1 {
+                        0 => {
+                            request.headers_mut().remove(PREVIOUS_ATTEMPTS);
+                        }
+                        n => {
+                            request
+                                .headers_mut()
+                                .insert(PREVIOUS_ATTEMPTS, previous_attempts(n));
+                        }
+                    }
+                    request.body_mut().set_transparent(true);
+                    *this.started += 1;
+                    *this.transparent = done.number;
+                    start(
+                        this.attempt,
+                        this.inflight,
+                        policy,
+                        request,
+                        (*this.started, true),
+                    );
+                    continue;
+                }
                 let picked = done
                     .slot
                     .lock()
@@ -219,10 +286,9 @@ where
                     Judged::Commit(response) => {
                         // The others are drained, not reset (see
                         // `crate::drain`).
-                        for loser in this.inflight.drain(..) {
-                            let mut future = loser.future;
-                            if !future.as_mut().abandon() {
-                                plan.never_sent(loser.number);
+                        for mut loser in this.inflight.drain(..) {
+                            if !loser.future.as_mut().abandon() {
+                                loser.never_sent(plan);
                             }
                         }
                         // Nothing more is copied, and the copy goes once the
@@ -232,6 +298,22 @@ where
                         // stream after all. The drains end by the deadline.
                         if let Some(template) = this.template.take() {
                             template.body().release_to(done.number);
+                        }
+                        // The attempts started before it, less a refused one.
+                        let refused = *this.transparent;
+                        let previous =
+                            done.number - 1 - u32::from(refused != 0 && refused < done.number);
+                        let mut response = response;
+                        let failed = response
+                            .headers()
+                            .get(GRPC_STATUS)
+                            .is_some_and(|code| code.as_bytes() != b"0");
+                        if failed || previous > 0 {
+                            hand_back(
+                                &mut response,
+                                previous,
+                                this.key.as_ref().filter(|_| failed),
+                            );
                         }
                         return Poll::Ready(response);
                     }
@@ -248,7 +330,8 @@ where
                                 // Refused by the deadline only if a hedge
                                 // could still go, its body included.
                                 let more = !*this.frozen
-                                    && *this.started < policy.max_attempts
+                                    && *this.started
+                                        < policy.max_attempts + u32::from(*this.transparent != 0)
                                     && this
                                         .template
                                         .as_ref()
@@ -276,7 +359,7 @@ where
                     }
                     Judged::Unsent(failure) => {
                         *this.frozen = true;
-                        plan.never_sent(done.number);
+                        done.never_sent(plan);
                         if done.number > 1
                             && matches!(failure, Failure::NoBudget | Failure::Cut { .. })
                         {
@@ -300,7 +383,7 @@ where
                             if other.future.is_sent() {
                                 *this.sent += 1;
                             } else {
-                                plan.never_sent(other.number);
+                                other.never_sent(plan);
                             }
                             other.future.as_mut().out_of_time();
                         }
@@ -312,6 +395,11 @@ where
                         if gives_up_marked(policy, *this.sent, *this.refused) {
                             mark_given_up(&mut response, &this.shared.metrics);
                         }
+                        hand_back(
+                            &mut response,
+                            this.sent.saturating_sub(1),
+                            this.key.as_ref(),
+                        );
                         return Poll::Ready(response);
                     }
                 }
@@ -328,7 +416,10 @@ where
             }
 
             // Send the next attempt, if one is due and may go.
-            if *this.due && !*this.frozen && *this.started < policy.max_attempts {
+            if *this.due
+                && !*this.frozen
+                && *this.started < policy.max_attempts + u32::from(*this.transparent != 0)
+            {
                 // The body is read ahead only once every attempt started is
                 // sent: one still waiting for its service must find the body
                 // sendable whole when it is ready.
@@ -343,22 +434,14 @@ where
                             this.inflight,
                             policy,
                         );
-                        let number = *this.started + 1;
-                        let slot: Slot = Arc::default();
-                        let mut request = request;
-                        if policy.instance_header.is_some() {
-                            request
-                                .extensions_mut()
-                                .insert(PickedInstance::from_slot(slot.clone()));
-                        }
-                        let future = this.attempt.call(request);
-                        this.inflight.push(InFlight {
-                            future: Box::pin(future),
-                            number,
-                            slot,
-                            started: Instant::now(),
-                        });
-                        *this.started = number;
+                        *this.started += 1;
+                        start(
+                            this.attempt,
+                            this.inflight,
+                            policy,
+                            request,
+                            (*this.started, false),
+                        );
                         // No delay means no timer: a zero-length one would
                         // still wait for the timer's next tick.
                         let delay = plan.delay_now(this.latencies.as_deref());
@@ -393,7 +476,7 @@ where
 
             if this.inflight.is_empty() {
                 let more = !*this.frozen
-                    && *this.started < policy.max_attempts
+                    && *this.started < policy.max_attempts + u32::from(*this.transparent != 0)
                     && match this.template.as_ref() {
                         Some(t) if t.body().poll_hedgeable(cx, true) == Poll::Ready(true) => true,
                         _ => {
@@ -404,13 +487,19 @@ where
                 if !more {
                     *this.template = None;
                     let unsent = this.unsent.take();
-                    return Poll::Ready(give_up(
+                    let mut response = give_up(
                         this.last.take(),
                         unsent,
                         (*this.sent, *this.refused, *this.no_time),
                         policy,
                         this.shared,
-                    ));
+                    );
+                    hand_back(
+                        &mut response,
+                        this.sent.saturating_sub(1),
+                        this.key.as_ref(),
+                    );
+                    return Poll::Ready(response);
                 }
             }
             if !progressed {
@@ -418,6 +507,36 @@ where
             }
         }
     }
+}
+
+/// Starts attempt `number` of the call (a transparent retry if
+/// `transparent`), with a slot for the balancer's report of its instance.
+fn start<S, B, RB, Bu, M>(
+    attempt: &mut Attempt<S, B, Bu, M>,
+    inflight: &mut Vec<InFlight<AttemptFuture<S, B, Bu, M>>>,
+    policy: &RetryPolicy,
+    mut request: Request<ReplayBody<B>>,
+    (number, transparent): (u32, bool),
+) where
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    B: From<ReplayBody<B>> + Send + 'static,
+    Bu: Budget,
+    M: Metrics,
+{
+    let slot: Slot = Arc::default();
+    if policy.instance_header.is_some() {
+        request
+            .extensions_mut()
+            .insert(PickedInstance::from_slot(slot.clone()));
+    }
+    let future = attempt.call(request);
+    inflight.push(InFlight {
+        future: Box::pin(future),
+        number,
+        slot,
+        started: Instant::now(),
+        transparent,
+    });
 }
 
 /// The call's body cannot be sent again: if for a replay limit, that is

@@ -1,0 +1,312 @@
+//! Transparent retries as gRPC defines them, against a raw HTTP/2 server: a
+//! stream the server's library refused before its application saw it is
+//! sent again at once, once a call, whatever the method's policy, not
+//! counted toward its attempts nor paid for; and what a call's answer hands
+//! back (the attempts before it, the idempotency key of a failed call).
+
+mod common;
+
+use std::time::Duration;
+
+use common::pb::GetBookRequest;
+use common::pb::library_client::LibraryClient;
+use common::raw::{RawServer, Step};
+use tonic::Code;
+use tonic::transport::{Channel, Endpoint};
+use tonic_retry::{
+    HedgePolicy, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, RetryBudget, RetryLayer, RetryPolicy,
+    RetryService, RetryThrottle,
+};
+use tower::ServiceBuilder;
+
+const MS: Duration = Duration::from_millis(1);
+
+type Client<Bu = RetryBudget> = LibraryClient<RetryService<Channel, Bu>>;
+
+fn channel(server: &RawServer) -> Channel {
+    Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect_lazy()
+}
+
+/// A client of `server` whose calls are retried by `policy`.
+fn client(server: &RawServer, policy: RetryPolicy) -> (Client, RetryLayer) {
+    let layer = RetryLayer::new(policy, RetryBudget::new(10, 0.1).unwrap());
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(channel(server));
+    (LibraryClient::new(svc), layer)
+}
+
+/// A policy retrying `UNAVAILABLE` with short waits.
+fn retrying(attempts: u32) -> RetryPolicy {
+    RetryPolicy::new(attempts, MS, 5 * MS, 0.2).unwrap()
+}
+
+fn get_book() -> tonic::Request<GetBookRequest> {
+    let mut request = tonic::Request::new(GetBookRequest { isbn: "1".into() });
+    request.set_timeout(Duration::from_secs(5));
+    request
+}
+
+async fn bounded<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(10), f)
+        .await
+        .expect("the call ended")
+}
+
+#[tokio::test]
+async fn a_refused_stream_is_sent_again_under_a_policy_of_one_attempt() {
+    let server = RawServer::start([Step::Refuse]).await;
+    let (mut client, layer) = client(&server, RetryPolicy::no_retry());
+    let book = bounded(client.get_book(get_book()))
+        .await
+        .expect("the server's answer, on a second stream");
+    assert_eq!(book.get_ref().title, "Raw");
+    assert_eq!(server.streams(), 2);
+    let metrics = layer.metrics();
+    assert_eq!(metrics.transparent_retries(), 1);
+    assert_eq!(metrics.retries(), 0);
+    assert_eq!(metrics.attempts(), 2);
+    // Not paid for: the one success deposited, nothing was withdrawn.
+    assert_eq!(layer.budget().available(), 5.1);
+    // The refused attempt is not counted: the retry carries no count, and
+    // the answer hands none back.
+    assert_eq!(server.header(PREVIOUS_ATTEMPTS.as_str()), [None, None]);
+    assert!(book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).is_none());
+}
+
+#[tokio::test]
+async fn refused_then_unavailable_then_answered_under_two_attempts() {
+    let server = RawServer::start([Step::Refuse, Step::Status(Code::Unavailable)]).await;
+    let (mut client, layer) = client(&server, retrying(2));
+    let book = bounded(client.get_book(get_book()))
+        .await
+        .expect("the policy's retry answers");
+    assert_eq!(server.streams(), 3);
+    let metrics = layer.metrics();
+    assert_eq!(
+        (metrics.transparent_retries(), metrics.retries()),
+        (1, 1),
+        "the policy's attempts are the two the server's application saw"
+    );
+    // One token for the policy's retry, a tenth back for the success.
+    assert_eq!(layer.budget().available(), 4.1);
+    let key = server.header(IDEMPOTENCY_KEY.as_str());
+    assert!(key[0].is_some());
+    assert!(key.iter().all(|k| *k == key[0]), "one key: {key:?}");
+    assert_eq!(
+        server.header(PREVIOUS_ATTEMPTS.as_str()),
+        [None, None, Some("1".to_owned())]
+    );
+    assert_eq!(
+        book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).unwrap(),
+        "1"
+    );
+}
+
+#[tokio::test]
+async fn a_call_retries_transparently_once() {
+    let server = RawServer::start([Step::Refuse, Step::Refuse]).await;
+    let (mut client, layer) = client(&server, RetryPolicy::no_retry());
+    let status = bounded(client.get_book(get_book()))
+        .await
+        .expect_err("refused twice");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(server.streams(), 2);
+    assert_eq!(layer.metrics().transparent_retries(), 1);
+    assert_eq!(layer.metrics().retries(), 0);
+}
+
+#[tokio::test]
+async fn a_transparent_retry_charges_no_throttle() {
+    // Four refused calls would take gRPC's throttle from 10 to 6, at which
+    // retries stop; they are not failures to it.
+    let server = RawServer::start([
+        Step::Refuse,
+        Step::AnswerAfter(Duration::ZERO),
+        Step::Refuse,
+        Step::AnswerAfter(Duration::ZERO),
+        Step::Refuse,
+        Step::AnswerAfter(Duration::ZERO),
+        Step::Refuse,
+    ])
+    .await;
+    let layer = RetryLayer::with_budget(retrying(3), RetryThrottle::new(10.0, 0.1).unwrap());
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(channel(&server));
+    let mut client = LibraryClient::new(svc);
+    for _ in 0..4 {
+        bounded(client.get_book(get_book())).await.unwrap();
+    }
+    assert_eq!(layer.metrics().transparent_retries(), 4);
+    assert_eq!(layer.budget().available(), Some(10.0));
+}
+
+#[tokio::test]
+async fn a_stream_a_graceful_goaway_did_not_take_is_sent_again() {
+    let server = RawServer::start([Step::GoAway]).await;
+    let (mut client, layer) = client(&server, RetryPolicy::no_retry());
+    let book = bounded(client.get_book(get_book()))
+        .await
+        .expect("answered on a new connection");
+    assert_eq!(book.get_ref().title, "Raw");
+    assert_eq!(server.streams(), 2);
+    assert_eq!(layer.metrics().transparent_retries(), 1);
+}
+
+#[tokio::test]
+async fn a_hedged_call_retries_a_refused_stream_transparently() {
+    let server = RawServer::start([Step::Refuse]).await;
+    let hedge = HedgePolicy::new(2, Duration::from_secs(2)).unwrap();
+    let (mut client, layer) = client(&server, RetryPolicy::from(hedge));
+    let book = bounded(client.get_book(get_book())).await.unwrap();
+    assert_eq!(server.streams(), 2);
+    let metrics = layer.metrics();
+    assert_eq!(
+        (metrics.transparent_retries(), metrics.hedges()),
+        (1, 0),
+        "sent again at once, not as a hedge after its delay"
+    );
+    assert_eq!(server.header(PREVIOUS_ATTEMPTS.as_str()), [None, None]);
+    assert!(book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).is_none());
+}
+
+#[tokio::test]
+async fn an_answer_by_the_first_attempt_hands_nothing_back() {
+    let server = RawServer::start([]).await;
+    let (mut client, _) = client(&server, retrying(3));
+    let book = bounded(client.get_book(get_book())).await.unwrap();
+    assert!(book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).is_none());
+    assert!(book.metadata().get(IDEMPOTENCY_KEY.as_str()).is_none());
+}
+
+#[tokio::test]
+async fn an_answer_by_the_third_attempt_says_two_came_before() {
+    let server = RawServer::start([
+        Step::Status(Code::Unavailable),
+        Step::Status(Code::Unavailable),
+    ])
+    .await;
+    let (mut client, _) = client(&server, retrying(3));
+    let book = bounded(client.get_book(get_book())).await.unwrap();
+    assert_eq!(
+        book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).unwrap(),
+        "2"
+    );
+    assert!(
+        book.metadata().get(IDEMPOTENCY_KEY.as_str()).is_none(),
+        "a success needs no key back"
+    );
+}
+
+#[tokio::test]
+async fn a_call_failed_by_its_third_attempt_hands_back_the_count_and_its_key() {
+    let server = RawServer::start([Step::Status(Code::Unavailable); 3]).await;
+    let (mut client, _) = client(&server, retrying(3));
+    let status = bounded(client.get_book(get_book())).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    let metadata = status.metadata();
+    assert_eq!(metadata.get(PREVIOUS_ATTEMPTS.as_str()).unwrap(), "2");
+    let sent = server.header(IDEMPOTENCY_KEY.as_str());
+    assert_eq!(
+        metadata
+            .get(IDEMPOTENCY_KEY.as_str())
+            .unwrap()
+            .to_str()
+            .unwrap(),
+        sent[0].as_deref().unwrap(),
+        "the key every attempt carried"
+    );
+}
+
+#[tokio::test]
+async fn a_failed_call_hands_back_the_callers_own_key() {
+    let server = RawServer::start([Step::Status(Code::InvalidArgument)]).await;
+    let (mut client, _) = client(&server, retrying(3));
+    let mut request = get_book();
+    request
+        .metadata_mut()
+        .insert("x-idempotency-key", "order-17".parse().unwrap());
+    let status = bounded(client.get_book(request)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(
+        status.metadata().get(IDEMPOTENCY_KEY.as_str()).unwrap(),
+        "order-17"
+    );
+    assert!(status.metadata().get(PREVIOUS_ATTEMPTS.as_str()).is_none());
+}
+
+#[tokio::test]
+async fn a_hedged_call_won_by_its_second_attempt_says_one_came_before() {
+    let server = RawServer::start([Step::AnswerAfter(Duration::from_secs(3))]).await;
+    let hedge = HedgePolicy::new(2, 20 * MS).unwrap();
+    let (mut client, layer) = client(&server, RetryPolicy::from(hedge));
+    let book = bounded(client.get_book(get_book())).await.unwrap();
+    assert_eq!(layer.metrics().hedges(), 1);
+    assert_eq!(
+        book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).unwrap(),
+        "1"
+    );
+}
+
+#[tokio::test]
+async fn a_hedged_call_that_failed_hands_back_its_key() {
+    let server = RawServer::start([Step::Status(Code::Unavailable); 2]).await;
+    let hedge = HedgePolicy::new(2, 20 * MS).unwrap();
+    let (mut client, _) = client(&server, RetryPolicy::from(hedge));
+    let status = bounded(client.get_book(get_book())).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(
+        status.metadata().get(PREVIOUS_ATTEMPTS.as_str()).unwrap(),
+        "1"
+    );
+    let sent = server.header(IDEMPOTENCY_KEY.as_str());
+    assert_eq!(
+        status
+            .metadata()
+            .get(IDEMPOTENCY_KEY.as_str())
+            .unwrap()
+            .to_str()
+            .unwrap(),
+        sent[0].as_deref().unwrap()
+    );
+}
+
+#[cfg(feature = "opentelemetry")]
+mod support;
+
+#[cfg(feature = "opentelemetry")]
+#[tokio::test]
+async fn a96_counts_a_transparent_retry_apart_from_the_policys() {
+    use support::exported::Exported;
+
+    let server = RawServer::start([Step::Refuse, Step::Status(Code::Unavailable)]).await;
+    let exported = Exported::new();
+    let target = format!("dns:///{}", server.addr);
+    let metrics = exported
+        .metrics(&target)
+        .with_methods(["library.v1.Library/GetBook"])
+        .unwrap();
+    let layer =
+        RetryLayer::new(retrying(3), RetryBudget::new(10, 0.1).unwrap()).with_grpc_metrics(metrics);
+    let svc = ServiceBuilder::new().layer(layer).service(channel(&server));
+    let mut client = LibraryClient::new(svc);
+    bounded(client.get_book(get_book())).await.unwrap();
+
+    let got = exported.collect();
+    let method = ("grpc.method", "library.v1.Library/GetBook");
+    let target = ("grpc.target", target.as_str());
+    let (unit, points) = got
+        .get("grpc.client.call.transparent_retries")
+        .expect("exported");
+    assert_eq!(unit, "{transparent_retry}");
+    assert_eq!(points[0].bounds, [1.0, 2.0, 3.0, 4.0, 5.0, 10.0]);
+    let transparent = got.point("grpc.client.call.transparent_retries", &[method, target]);
+    assert_eq!((transparent.count, transparent.sum), (1, 1.0));
+    let retries = got.point("grpc.client.call.retries", &[method, target]);
+    assert_eq!((retries.count, retries.sum), (1, 1.0));
+    let started = got.point("grpc.client.attempt.started", &[method, target]);
+    assert_eq!(started.sum, 3.0, "the refused attempt was started too");
+}
