@@ -37,6 +37,7 @@ use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, format_repeating, timer
 use crate::drain::{Drain, Drainer};
 use crate::hedge::HedgeFuture;
 use crate::marks::AlreadyTried;
+use crate::methods::PolicyRef;
 use crate::metrics::{Event, RetryMetrics};
 use crate::policy::RetryPolicy;
 use crate::replay::{Lingering, ReplayBody, ReplayError};
@@ -252,8 +253,8 @@ where
     limits: Limits,
     /// Whether to ask a balancer below to report each attempt's instance.
     report: bool,
-    /// The call's policy, by its index in the layer's table.
-    policy: usize,
+    /// The call's policy.
+    policy: PolicyRef,
     /// The call hedges: the first call starts the hedge driver.
     hedge: bool,
     /// The call's metrics.
@@ -266,7 +267,7 @@ where
     S: Service<Request<B>>,
     M: Metrics,
 {
-    /// The attempts of one call under the policy at `index`: the first
+    /// The attempts of one call under `policy`: the first
     /// through the caller's instance, which its `poll_ready` made ready if
     /// `ready`, the others through clones of it.
     /// A hedging policy's one call (the call's first attempt) starts the hedge
@@ -279,11 +280,11 @@ where
         ready: bool,
         (into_box, drain): Proven<S, B>,
         shared: Arc<Local<Bu, M>>,
-        index: usize,
+        chosen: PolicyRef,
         limits: Limits,
         trace: Trace<M>,
     ) -> Self {
-        let policy = shared.policies.get(index);
+        let policy = shared.policies.get(&chosen);
         let drainable = limits.attempt_timeout.is_some();
         Self {
             inner: None,
@@ -295,7 +296,7 @@ where
             ready,
             report: policy.instance_header.is_some(),
             hedge: policy.hedge.is_some(),
-            policy: index,
+            policy: chosen,
             shared,
             limits,
             trace,
@@ -342,7 +343,7 @@ where
             shared: Arc::clone(&self.shared),
             limits: self.limits,
             report: self.report,
-            policy: self.policy,
+            policy: self.policy.clone(),
             hedge: self.hedge,
             trace: self.trace.clone(),
             _body: PhantomData,
@@ -417,7 +418,7 @@ where
             if at <= now {
                 return self.attempt(Some(readied), Request::from_parts(head, body));
             }
-            let policy = self.shared.policies.get(self.policy);
+            let policy = self.shared.policies.get(&self.policy);
             say_first_timeout(&mut head.headers, timeout, policy, at, now);
         }
         let cut = deadline.map(|at| (at, Cut::Deadline));
@@ -541,7 +542,7 @@ where
                 request: Some(req),
                 drain,
                 retry: retry.then(|| Arc::clone(&self.shared)),
-                min_attempt_budget: self.shared.policies.get(self.policy).min_attempt_budget,
+                min_attempt_budget: self.shared.policies.get(&self.policy).min_attempt_budget,
                 trace: self.trace.clone(),
             }),
         };
@@ -556,7 +557,7 @@ where
         readied: Option<&mut S>,
         req: Request<ReplayBody<B>>,
     ) -> AttemptFuture<S, B, Bu, M> {
-        let index = self.policy;
+        let chosen = self.policy.clone();
         // The driver holds the caller's instance for its first attempt; the
         // caller keeps a fresh clone. (The call's own attempt is never
         // retried: the driver makes every attempt.)
@@ -579,7 +580,7 @@ where
             shared: Arc::clone(&self.shared),
             limits: self.limits,
             report: self.report,
-            policy: self.policy,
+            policy: self.policy.clone(),
             hedge: false,
             trace: self.trace.clone(),
             _body: PhantomData,
@@ -591,7 +592,7 @@ where
             .unwrap_or_default();
         let deadline = self.limits.deadline;
         let shared = Arc::clone(&self.shared);
-        let hedged = HedgeFuture::new(driver, shared, index, req, deadline, tried);
+        let hedged = HedgeFuture::new(driver, shared, chosen, req, deadline, tried);
         AttemptFuture::new(
             State::Hedged {
                 future: Box::pin(hedged),

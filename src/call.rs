@@ -2,7 +2,7 @@
 //! drives (and the call's response future, for the first attempt's outcome),
 //! and the backoff future it returns.
 //!
-//! After every attempt, [`CallPolicy::retry`] reads the outcome and decides:
+//! After every attempt, [`CallRetry::retry`] reads the outcome and decides:
 //! classify (is this retryable at all?), then the attempts left, then the
 //! deadline's room for the backoff and another attempt, then the budget. The
 //! token itself is taken when the retry is sent (in the attempt), so that only
@@ -33,6 +33,7 @@ use crate::classify::{
 };
 use crate::deadline::GRPC_TIMEOUT;
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
+use crate::methods::PolicyRef;
 use crate::metrics::{Event, RetryMetrics};
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
@@ -42,10 +43,10 @@ use crate::trace::{Metrics, NoMetrics};
 
 /// One call's policy, cloned by `Retry` into the call's future: what every
 /// call shares, and this call's own state.
-pub(crate) struct CallPolicy<Bu, M = NoMetrics> {
+pub(crate) struct CallRetry<Bu, M = NoMetrics> {
     shared: Arc<Local<Bu, M>>,
-    /// The call's policy, in `shared.policies`.
-    policy: usize,
+    /// The call's policy.
+    policy: PolicyRef,
     /// The call hedges: its one "attempt" is the hedge driver, never retried.
     hedged: bool,
     state: CallState,
@@ -120,23 +121,23 @@ impl Last {
 }
 
 // Not derived: the budget itself need not be `Clone`, it is shared.
-impl<Bu, M> Clone for CallPolicy<Bu, M> {
+impl<Bu, M> Clone for CallRetry<Bu, M> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
-            policy: self.policy,
+            policy: self.policy.clone(),
             hedged: self.hedged,
             state: self.state.clone(),
         }
     }
 }
 
-impl<Bu, M> CallPolicy<Bu, M> {
+impl<Bu, M> CallRetry<Bu, M> {
     /// The policy of a call with `deadline`, whose caller already marked
     /// `tried` as tried.
     pub(crate) fn new(
         shared: Arc<Local<Bu, M>>,
-        policy: usize,
+        policy: PolicyRef,
         deadline: Option<Instant>,
         tried: AlreadyTried,
         hedged: bool,
@@ -688,7 +689,7 @@ impl<Bu: Budget, M: Metrics> Credit for Local<Bu, M> {
 }
 
 impl<B, RB, Bu, M> Policy<Request<ReplayBody<B>>, Response<ResponseBody<RB, M>>, Failure>
-    for CallPolicy<Bu, M>
+    for CallRetry<Bu, M>
 where
     M: Metrics,
     Bu: Budget,
@@ -713,7 +714,7 @@ where
     }
 }
 
-impl<Bu, M> CallPolicy<Bu, M>
+impl<Bu, M> CallRetry<Bu, M>
 where
     M: Metrics,
     Bu: Budget,
@@ -752,7 +753,7 @@ where
             metrics,
             ..
         } = shared;
-        let policy = policies.get(self.policy);
+        let policy = policies.get(&self.policy);
         let state = &mut self.state;
         // Read only where an event is recorded: a lookup of a custom header
         // name hashes it byte by byte.
@@ -1087,9 +1088,9 @@ pub(crate) fn failure_response<RB, M: Metrics>(
     }
 }
 
-impl<Bu, M> std::fmt::Debug for CallPolicy<Bu, M> {
+impl<Bu, M> std::fmt::Debug for CallRetry<Bu, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CallPolicy")
+        f.debug_struct("CallRetry")
             .field("state", &self.state)
             .finish_non_exhaustive()
     }

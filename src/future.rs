@@ -14,12 +14,12 @@ use tower_service::Service;
 use crate::attempt::{Attempt, AttemptFuture, FirstTimeout};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
-use crate::call::{Backoff, CallPolicy, FirstCopy, failure_response};
+use crate::call::{Backoff, CallRetry, FirstCopy, failure_response};
 use crate::replay::ReplayBody;
 use crate::trace::{CallEnd, Metrics, NoMetrics};
 
 type Retrying<S, B, Bu, M> = tower::retry::future::ResponseFuture<
-    CallPolicy<Bu, M>,
+    CallRetry<Bu, M>,
     Attempt<S, B, Bu, M>,
     Request<ReplayBody<B>>,
 >;
@@ -32,7 +32,7 @@ where
     M: Metrics,
 {
     copy: FirstCopy<B>,
-    call: CallPolicy<Bu, M>,
+    call: CallRetry<Bu, M>,
     attempt: Attempt<S, B, Bu, M>,
 }
 
@@ -118,7 +118,7 @@ where
     // service and copy its `call` would have kept.
     #[inline(always)]
     pub(crate) fn new(
-        call: CallPolicy<Bu, M>,
+        call: CallRetry<Bu, M>,
         mut attempt: Attempt<S, B, Bu, M>,
         readied: &mut S,
         (head, body): (request::Parts, ReplayBody<B>),

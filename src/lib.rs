@@ -230,7 +230,8 @@
 //!   [`RetryThrottle`] is gRPC's own retry throttling, and [`TowerBudget`]
 //!   takes any `tower` retry budget (tower's `TpsBudget`, say).
 //! * [`MethodPolicies`]: a policy per gRPC method (method, else service, else
-//!   default), and, with the `service-config` feature,
+//!   default), and [`CallPolicy`], one call's own (no retries, or a policy of
+//!   its own), set by its caller as a request extension; and, with the `service-config` feature,
 //!   `service_config::ServiceConfig`: the gRPC service config JSON grpc-go and
 //!   grpc-java read (per-method `retryPolicy` and `timeout`,
 //!   `retryThrottling`).
@@ -291,7 +292,7 @@ pub use marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, MAX_INSTANCE_ID_LEN,
     MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance, RetryMarkExt,
 };
-pub use methods::MethodPolicies;
+pub use methods::{CallPolicy, MethodPolicies};
 pub use metrics::RetryMetrics;
 pub use policy::{
     DEFAULT_MAX_SERVER_DELAY, DEFAULT_REPLAY_LIMIT, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryWhen,

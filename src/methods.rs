@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 use crate::error::ConfigError;
 use crate::policy::RetryPolicy;
@@ -23,6 +24,10 @@ use crate::policy::RetryPolicy;
 ///
 /// Looking a request up costs two hash lookups of slices of its path, and no
 /// allocation; a table with no per-service or per-method entries costs none.
+///
+/// One call can override its method's policy: a [`CallPolicy`] in the
+/// request's extensions turns its retries off, or gives it a policy of its
+/// own.
 ///
 /// # Example
 ///
@@ -51,6 +56,9 @@ use crate::policy::RetryPolicy;
 pub struct MethodPolicies {
     /// Every policy in the table; the default is the first.
     policies: Vec<RetryPolicy>,
+    /// Each policy of `policies`, at the same index, with one attempt and no
+    /// hedging: what a call told not to retry follows.
+    single: Vec<RetryPolicy>,
     /// `package.Service/Method` → index.
     methods: HashMap<Box<str>, usize, Fnv>,
     /// `package.Service` → index.
@@ -96,8 +104,10 @@ impl MethodPolicies {
 
     /// A table whose default is `policy`.
     pub fn with_default(policy: impl Into<RetryPolicy>) -> Self {
+        let policy = policy.into();
         Self {
-            policies: vec![policy.into()],
+            single: vec![policy.single_attempt()],
+            policies: vec![policy],
             methods: HashMap::default(),
             services: HashMap::default(),
         }
@@ -200,14 +210,121 @@ impl MethodPolicies {
         self.services.get(service).copied().unwrap_or(DEFAULT)
     }
 
-    /// The policy at `index`, as [`lookup`](Self::lookup) gave it.
-    pub(crate) fn get(&self, index: usize) -> &RetryPolicy {
-        &self.policies[index]
+    /// The policy of a call to `path` whose request carries `own`, the
+    /// caller's [`CallPolicy`], if any.
+    #[inline]
+    pub(crate) fn choose(&self, path: &str, own: Option<&CallPolicy>) -> PolicyRef {
+        match own {
+            None => PolicyRef::Table(self.lookup(path)),
+            Some(own) => own.choose(|| self.lookup(path)),
+        }
+    }
+
+    /// The policy `chosen` names.
+    #[inline]
+    pub(crate) fn get<'a>(&'a self, chosen: &'a PolicyRef) -> &'a RetryPolicy {
+        match chosen {
+            PolicyRef::Table(index) => &self.policies[*index],
+            PolicyRef::Single(index) => &self.single[*index],
+            PolicyRef::Own(policy) => policy,
+        }
     }
 
     fn push(&mut self, policy: RetryPolicy) -> usize {
+        self.single.push(policy.single_attempt());
         self.policies.push(policy);
         self.policies.len() - 1
+    }
+}
+
+/// The policy a call follows: one of its layer's, or the caller's own.
+#[derive(Clone, Debug)]
+pub(crate) enum PolicyRef {
+    /// The layer's policy at this index.
+    Table(usize),
+    /// The layer's policy at this index, with one attempt and no hedging.
+    Single(usize),
+    /// The caller's own, for this call.
+    Own(Arc<RetryPolicy>),
+}
+
+/// One call's own say on its retries, over its method's policy: set it as
+/// a request extension. An extension, not a header, so that only code in
+/// the process can set it: nothing a remote caller sends can raise a
+/// process's attempts.
+///
+/// * [`CallPolicy::no_retry`]: no retries and no hedges for this call, say a
+///   write the server does not deduplicate, or a call that must fail fast.
+///   Everything else of the method's policy still applies: its deadline, the
+///   idempotency key, the marks, the shield against malformed statuses, and
+///   gRPC's transparent retry of a stream the server refused before its
+///   application saw it.
+/// * [`CallPolicy::new`]: this call's own [`RetryPolicy`] or
+///   [`HedgePolicy`](crate::HedgePolicy), whole, in place of its method's:
+///   its attempts, backoff, codes, hedging and timeouts (a call may so be
+///   given longer than its method allows). The budget is the layer's, as
+///   for any call.
+///
+/// Make a policy once and clone it for each call: a clone is one reference
+/// count, and a hedging policy's clones share its extra-load cap and its
+/// latencies.
+///
+/// ```
+/// use std::time::Duration;
+/// use tonic_health::pb::HealthCheckRequest;
+/// use tonic_retry::{CallPolicy, HedgePolicy};
+///
+/// # fn main() -> Result<(), tonic_retry::ConfigError> {
+/// // A call that must not be sent twice.
+/// let mut once = tonic::Request::new(HealthCheckRequest::default());
+/// once.extensions_mut().insert(CallPolicy::no_retry());
+///
+/// // A call hedged after 20 ms, whatever its method does.
+/// let hedged = CallPolicy::new(HedgePolicy::new(2, Duration::from_millis(20))?);
+/// let mut fast = tonic::Request::new(HealthCheckRequest::default());
+/// fast.extensions_mut().insert(hedged.clone());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct CallPolicy(Option<Arc<RetryPolicy>>);
+
+impl CallPolicy {
+    /// No retries and no hedges for this call; the rest of its method's
+    /// policy applies.
+    pub fn no_retry() -> Self {
+        Self(None)
+    }
+
+    /// This call follows `policy` (a [`RetryPolicy`] or a
+    /// [`HedgePolicy`](crate::HedgePolicy)) in place of its method's.
+    pub fn new(policy: impl Into<RetryPolicy>) -> Self {
+        Self(Some(Arc::new(policy.into())))
+    }
+
+    /// The policy this call follows in place of its method's, if any.
+    pub fn policy(&self) -> Option<&RetryPolicy> {
+        self.0.as_deref()
+    }
+
+    /// Which policy a call follows, its method's being the one at `lookup()`.
+    fn choose(&self, lookup: impl FnOnce() -> usize) -> PolicyRef {
+        match &self.0 {
+            Some(own) => PolicyRef::Own(Arc::clone(own)),
+            None => PolicyRef::Single(lookup()),
+        }
+    }
+}
+
+impl From<RetryPolicy> for CallPolicy {
+    fn from(policy: RetryPolicy) -> Self {
+        Self::new(policy)
+    }
+}
+
+impl From<crate::HedgePolicy> for CallPolicy {
+    fn from(policy: crate::HedgePolicy) -> Self {
+        Self::new(policy)
     }
 }
 

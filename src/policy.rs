@@ -305,6 +305,15 @@ impl RetryPolicy {
         policy
     }
 
+    /// This policy with one attempt and no hedging: what a method that is
+    /// not retried, or a call told not to retry, follows.
+    pub(crate) fn single_attempt(&self) -> Self {
+        let mut policy = self.clone();
+        policy.max_attempts = 1;
+        policy.hedge = None;
+        policy
+    }
+
     /// Grows the backoff by `multiplier` per retry instead of 2 (gRPC's
     /// `backoffMultiplier`): retry `k` waits
     /// `min(base_delay · multiplier^(k-1), max_delay) · (1 ± jitter)`.

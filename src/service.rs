@@ -15,14 +15,14 @@ use tower_service::Service;
 use crate::attempt::{Attempt, FirstTimeout, Limits, Said};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
-use crate::call::CallPolicy;
+use crate::call::CallRetry;
 use crate::deadline::{GRPC_TIMEOUT, parse_grpc_timeout};
 use crate::drain::{self, Drainer};
 use crate::future::ResponseFuture;
 use crate::marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, new_idempotency_key,
 };
-use crate::methods::MethodPolicies;
+use crate::methods::{CallPolicy, MethodPolicies};
 use crate::metrics::RetryMetrics;
 use crate::replay::{Account, ReplayBody};
 use crate::shared::{Local, Shared};
@@ -236,8 +236,10 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let (mut parts, body) = req.into_parts();
-        let index = self.shared.policies.lookup(parts.uri.path());
-        let policy = self.shared.policies.get(index);
+        // The method's policy, unless the caller chose one for this call.
+        let own = parts.extensions.get::<CallPolicy>();
+        let chosen = self.shared.policies.choose(parts.uri.path(), own);
+        let policy = self.shared.policies.get(&chosen);
         let trace = self.shared.trace(parts.uri.path());
 
         // One pass over the caller's headers finds what the layer reads or
@@ -348,7 +350,7 @@ where
             ready,
             (self.into_box, self.drain),
             Arc::clone(&self.shared),
-            index,
+            chosen.clone(),
             limits,
             trace.clone(),
         );
@@ -356,7 +358,7 @@ where
         // retries: the hedge driver runs inside it. So a retried call's
         // future stays as small and cheap as before.
         let hedged = policy.hedge.is_some();
-        let call = CallPolicy::new(Arc::clone(&self.shared), index, deadline, tried, hedged);
+        let call = CallRetry::new(Arc::clone(&self.shared), chosen, deadline, tried, hedged);
         let cancel = attempt.cancel_on_drop();
         ResponseFuture::new(
             call,

@@ -385,7 +385,7 @@ impl ServiceConfig {
         let policy = |config: &MethodConfig| config.policy(base);
         let mut table = MethodPolicies::with_default(match &self.default {
             Some(config) => policy(config),
-            None => single_attempt(base),
+            None => base.single_attempt(),
         });
         // NOTE: the names were checked when the config was parsed (non-empty,
         // no '/', each once), so the table takes every one.
@@ -433,7 +433,7 @@ impl MethodConfig {
                     .with_settings_of(base);
                 RetryPolicy::from(hedging)
             }
-            (None, None) => single_attempt(base),
+            (None, None) => base.single_attempt(),
             (Some(retry), _) => {
                 let mut policy = base.clone();
                 policy.hedge = None;
@@ -460,14 +460,6 @@ impl MethodConfig {
 
 /// A6's jitter: every backoff is its raw value times `random(0.8, 1.2)`.
 const A6_JITTER: f64 = 0.2;
-
-/// `base`, not retried.
-fn single_attempt(base: &RetryPolicy) -> RetryPolicy {
-    let mut policy = base.clone();
-    policy.max_attempts = 1;
-    policy.hedge = None;
-    policy
-}
 
 fn method_config(entry: &Map<String, Value>, path: &str) -> Result<MethodConfig> {
     let timeout = match field(entry, "timeout", path)? {

@@ -33,6 +33,7 @@ use crate::hedge::Latencies;
 use crate::marks::{
     ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, PickedInstance,
 };
+use crate::methods::PolicyRef;
 use crate::metrics::Event;
 use crate::policy::RetryPolicy;
 use crate::replay::{ReplayBody, ReplayError};
@@ -74,7 +75,7 @@ pin_project! {
     {
         attempt: Attempt<S, B, Bu, M>,
         shared: Arc<Local<Bu, M>>,
-        policy: usize,
+        policy: PolicyRef,
         // The request each attempt is a copy of; dropped once no more
         // attempts can be sent, which lets its body's copy go.
         template: Option<Request<ReplayBody<B>>>,
@@ -127,7 +128,7 @@ pin_project! {
             // service were never sent, and give their places under the
             // extra-load cap back. (A call that ended has none in flight.)
             let this = this.project();
-            if let Some(plan) = this.shared.policies.get(*this.policy).hedge.as_deref() {
+            if let Some(plan) = this.shared.policies.get(this.policy).hedge.as_deref() {
                 for attempt in this.inflight.iter().filter(|a| !a.future.is_sent()) {
                     attempt.never_sent(plan);
                 }
@@ -144,7 +145,7 @@ where
     pub(crate) fn new(
         attempt: Attempt<S, B, Bu, M>,
         shared: Arc<Local<Bu, M>>,
-        policy: usize,
+        policy: PolicyRef,
         request: Request<ReplayBody<B>>,
         deadline: Option<Instant>,
         tried: AlreadyTried,
@@ -154,7 +155,7 @@ where
         let key = request.headers().get(IDEMPOTENCY_KEY).cloned();
         let latencies = shared
             .policies
-            .get(policy)
+            .get(&policy)
             .hedge
             .as_deref()
             .and_then(|plan| plan.adaptive.as_ref())
@@ -209,7 +210,7 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let policy = this.shared.policies.get(*this.policy);
+        let policy = this.shared.policies.get(this.policy);
         let plan = policy.hedge.as_deref().expect("a hedged call has a plan");
         loop {
             let mut progressed = false;
