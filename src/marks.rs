@@ -20,7 +20,8 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency-k
 /// the one that answered.
 pub const PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
 /// The request header naming, comma-separated, the instances that failed
-/// earlier attempts of this call.
+/// earlier attempts of this call. One the caller set is not trusted by
+/// default (see [`AlreadyTried`]).
 pub const ALREADY_TRIED: HeaderName = HeaderName::from_static("x-already-tried");
 /// The default response header from which an answering instance's id is read.
 pub const INSTANCE_ID: HeaderName = HeaderName::from_static("x-instance-id");
@@ -120,8 +121,12 @@ pub(crate) fn is_valid_id(id: &str) -> bool {
 /// instance ids from the response header named by
 /// [`RetryPolicy::with_instance_header`](crate::RetryPolicy::with_instance_header),
 /// or, for an attempt that got no response, from the balancer's
-/// [`PickedInstance`] report. A mark the caller sets (header or extension) is
-/// merged with what the layer learns.
+/// [`PickedInstance`] report. A mark the caller sets in process (this
+/// extension) is merged with what the layer learns. An `x-already-tried`
+/// header the caller set is removed before the first attempt, unless the
+/// policy trusts it ([`RetryPolicy::with_callers_mark_trusted`](crate::RetryPolicy::with_callers_mark_trusted)):
+/// a server forwarding its clients' metadata would otherwise let them steer
+/// its calls.
 ///
 /// The mark is bounded: an id is visible ASCII without commas, at most
 /// [`MAX_INSTANCE_ID_LEN`] bytes, and at most [`MAX_TRIED_INSTANCES`] ids are

@@ -230,6 +230,9 @@ pub struct RetryPolicy {
     pub(crate) idempotency_key: bool,
     pub(crate) instance_header: Option<HeaderName>,
     pub(crate) retry_at_one_layer: bool,
+    /// An `x-already-tried` header the caller set is merged into the call's
+    /// mark, rather than removed.
+    pub(crate) callers_mark_trusted: bool,
     /// Set for a hedging policy (made by [`HedgePolicy`](crate::HedgePolicy)):
     /// the method hedges instead of retrying.
     pub(crate) hedge: Option<Arc<HedgePlan>>,
@@ -287,6 +290,7 @@ impl RetryPolicy {
             idempotency_key: true,
             instance_header: Some(crate::marks::INSTANCE_ID),
             retry_at_one_layer: true,
+            callers_mark_trusted: false,
             hedge: None,
         })
     }
@@ -463,6 +467,24 @@ impl RetryPolicy {
     #[must_use]
     pub fn with_idempotency_key(mut self, generate: bool) -> Self {
         self.idempotency_key = generate;
+        self
+    }
+
+    /// Whether an [`x-already-tried`](crate::ALREADY_TRIED) header the
+    /// caller set is trusted (default off).
+    ///
+    /// Off, the layer removes such a header before the first attempt: a
+    /// server that forwards its clients' metadata to its own calls (a
+    /// gateway, a proxy, a handler copying headers) would otherwise let any
+    /// remote client steer those calls, naming every instance but one to
+    /// send them all to that one. The instances a caller one hop up knows
+    /// are its own targets, not this layer's, so nothing is lost. A mark set
+    /// in process, the [`AlreadyTried`](crate::AlreadyTried) request
+    /// extension, is always honoured. Turn it on where instance ids are
+    /// shared across hops and every caller is trusted.
+    #[must_use]
+    pub fn with_callers_mark_trusted(mut self, trusted: bool) -> Self {
+        self.callers_mark_trusted = trusted;
         self
     }
 

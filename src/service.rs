@@ -314,7 +314,7 @@ where
             // A6: the first attempt carries no attempt count, whatever the caller set.
             parts.headers.remove(PREVIOUS_ATTEMPTS);
         }
-        let tried = callers_mark(&mut parts, already_tried);
+        let tried = callers_mark(&mut parts, already_tried, policy.callers_mark_trusted);
 
         // NOTE: a method that is never retried keeps a copy too: a stream
         // the server refuses is sent again whatever the policy (gRPC's
@@ -372,25 +372,29 @@ where
     }
 }
 
-/// The already-tried mark the caller set (header, extension or both), merged
-/// and bounded; the first attempt carries it both ways.
+/// The already-tried mark the caller set (the extension, and the header
+/// where it is `trusted`), merged and bounded; the first attempt carries it
+/// both ways. A header not trusted is removed.
 #[inline]
-fn callers_mark(parts: &mut Parts, in_headers: bool) -> AlreadyTried {
+fn callers_mark(parts: &mut Parts, in_headers: bool, trusted: bool) -> AlreadyTried {
     if !in_headers && parts.extensions.get::<AlreadyTried>().is_none() {
         return AlreadyTried::default();
     }
-    merged_mark(parts)
+    merged_mark(parts, trusted)
 }
 
-/// The mark the caller set, merged from the header and the extension.
+/// The mark the caller set, merged from the extension and, if `trusted`,
+/// the header.
 #[cold]
-fn merged_mark(parts: &mut Parts) -> AlreadyTried {
+fn merged_mark(parts: &mut Parts, trusted: bool) -> AlreadyTried {
     let mut tried = AlreadyTried::default();
     if let Some(mark) = parts.extensions.get::<AlreadyTried>() {
         tried.merge(mark);
     }
-    for value in parts.headers.get_all(ALREADY_TRIED) {
-        tried.merge_header(value);
+    if trusted {
+        for value in parts.headers.get_all(ALREADY_TRIED) {
+            tried.merge_header(value);
+        }
     }
     match tried.to_header().filter(|_| !tried.is_empty()) {
         Some(value) => {

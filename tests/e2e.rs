@@ -293,6 +293,46 @@ async fn behind_the_balancer_a_retry_goes_to_the_other_instance() {
     assert_eq!(on_b.len(), 6, "every call ended on b exactly once");
 }
 
+/// Calls carrying a caller's `x-already-tried: a,b` behind a balancer over
+/// a, b and c: how many reached each instance.
+async fn steered(trusted: bool) -> [usize; 3] {
+    let a = Instance::with_faults(faults("a")).await;
+    let b = Instance::with_faults(faults("b")).await;
+    let c = Instance::with_faults(faults("c")).await;
+    let balancer = PreferUntried::new([
+        ("a".to_owned(), a.channel()),
+        ("b".to_owned(), b.channel()),
+        ("c".to_owned(), c.channel()),
+    ])
+    .unwrap();
+    let policy = RetryPolicy::default().with_callers_mark_trusted(trusted);
+    let layer = RetryLayer::new(policy, RetryBudget::new(200, 0.1).unwrap());
+    let mut client = LibraryClient::new(ServiceBuilder::new().layer(layer).service(balancer));
+    for n in 0..6 {
+        let mut request = tonic::Request::new(get(&n.to_string()));
+        request
+            .metadata_mut()
+            .insert("x-already-tried", "a,b".parse().unwrap());
+        bounded(client.get_book(request)).await.expect("answered");
+    }
+    [
+        a.faults.seen().len(),
+        b.faults.seen().len(),
+        c.faults.seen().len(),
+    ]
+}
+
+#[tokio::test]
+async fn a_callers_mark_does_not_steer_calls_unless_trusted() {
+    let spread = steered(false).await;
+    assert_eq!(spread.iter().sum::<usize>(), 6);
+    assert!(
+        spread[0] + spread[1] > 0,
+        "a remote caller's header sent every call to c: {spread:?}"
+    );
+    assert_eq!(steered(true).await, [0, 0, 6], "trusted, the mark steers");
+}
+
 #[tokio::test]
 async fn in_a_total_outage_the_budget_stops_retries() {
     let server = Instance::with_faults(faults("a").with(Rule::always(Fault::unavailable()))).await;

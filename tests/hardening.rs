@@ -709,7 +709,8 @@ async fn a_callers_attempt_count_never_reaches_the_first_attempt() {
 
 #[tokio::test(start_paused = true)]
 async fn a_callers_already_tried_mark_is_merged_and_bounded() {
-    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let policy = RetryPolicy::default().with_callers_mark_trusted(true);
+    let (mut svc, mut handle, _) = setup(policy, budget());
     let mut req = request();
     let junk = format!("x, has space ,{},y", "z".repeat(500));
     req.headers_mut()
@@ -724,6 +725,42 @@ async fn a_callers_already_tried_mark_is_merged_and_bounded() {
     assert_eq!(retry.headers()["x-already-tried"], "x,y,a");
     let mark = retry.extensions().get::<AlreadyTried>().unwrap();
     assert_eq!(mark.iter().collect::<Vec<_>>(), ["x", "y", "a"]);
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_callers_already_tried_header_is_removed_unless_trusted() {
+    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let mut req = request();
+    req.headers_mut()
+        .insert("x-already-tried", HeaderValue::from_static("x,y"));
+    // The mark set in process is honoured, whatever the setting.
+    let mut own = AlreadyTried::default();
+    own.insert("z");
+    req.extensions_mut().insert(own);
+    let call = spawn_call(&mut svc, req).await;
+    let (first, send, _) = next(&mut handle).await;
+    assert_eq!(first.headers()["x-already-tried"], "z");
+    let mark = first.extensions().get::<AlreadyTried>().unwrap();
+    assert_eq!(mark.iter().collect::<Vec<_>>(), ["z"]);
+    send.send_response(status_from("a", Code::Unavailable));
+    let (retry, send, _) = next(&mut handle).await;
+    assert_eq!(retry.headers()["x-already-tried"], "z,a");
+    send.send_response(ok());
+    call.await.unwrap().unwrap();
+
+    // A header alone: gone from every attempt.
+    let mut req = request();
+    req.headers_mut()
+        .insert("x-already-tried", HeaderValue::from_static("x,y"));
+    let call = spawn_call(&mut svc, req).await;
+    let (first, send, _) = next(&mut handle).await;
+    assert!(first.headers().get("x-already-tried").is_none());
+    assert!(first.extensions().get::<AlreadyTried>().is_none());
+    send.send_response(status(Code::Unavailable));
+    let (retry, send, _) = next(&mut handle).await;
+    assert!(retry.headers().get("x-already-tried").is_none());
     send.send_response(ok());
     call.await.unwrap().unwrap();
 }

@@ -584,7 +584,8 @@ async fn a_callers_already_tried_mark_keeps_its_place_on_retries() {
             .collect()
     }
 
-    let (mut svc, mut handle, _) = setup(RetryPolicy::default(), budget());
+    let policy = RetryPolicy::default().with_callers_mark_trusted(true);
+    let (mut svc, mut handle, _) = setup(policy, budget());
     let mut req = request();
     req.headers_mut()
         .insert("x-already-tried", HeaderValue::from_static("zone-x"));
