@@ -636,6 +636,11 @@ fn transparent_retry<B, Bu: Budget, M: Metrics>(
     // It was sent, and answered nothing: counted as an attempt.
     shared.count_attempt();
     req.body_mut().set_transparent(true);
+    if state.made >= policy.max_attempts {
+        // No retry can follow this one: once it has replayed the body, the
+        // copy goes.
+        req.body_mut().mark_last();
+    }
     tracing::debug!(
         attempt = state.made,
         remaining = ?remaining,

@@ -310,3 +310,43 @@ async fn a96_counts_a_transparent_retry_apart_from_the_policys() {
     let started = got.point("grpc.client.attempt.started", &[method, target]);
     assert_eq!(started.sum, 3.0, "the refused attempt was started too");
 }
+
+#[tokio::test]
+async fn a_hedge_after_a_transparent_retry_counts_only_attempts_sent() {
+    // The first stream is refused and sent again at once; the hedge after
+    // the delay follows one attempt the server's application saw.
+    let server = RawServer::start([Step::Refuse, Step::AnswerAfter(Duration::from_secs(3))]).await;
+    let hedge = HedgePolicy::new(3, 20 * MS).unwrap();
+    let (mut client, layer) = client(&server, RetryPolicy::from(hedge));
+    let book = bounded(client.get_book(get_book())).await.unwrap();
+    let metrics = layer.metrics();
+    assert_eq!((metrics.transparent_retries(), metrics.hedges()), (1, 1));
+    assert_eq!(
+        server.header(PREVIOUS_ATTEMPTS.as_str()),
+        [None, None, Some("1".to_owned())]
+    );
+    assert_eq!(
+        book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).unwrap(),
+        "1"
+    );
+}
+
+#[tokio::test]
+async fn a_hedged_call_whose_hedges_stopped_still_retries_a_refused_stream() {
+    // The budget refuses the hedge at 20 ms; the one attempt left is then
+    // refused by the server at 100 ms, and is sent again.
+    let server = RawServer::start([Step::RefuseAfter(100 * MS)]).await;
+    let hedge = HedgePolicy::new(2, 20 * MS).unwrap();
+    let layer = RetryLayer::new(
+        RetryPolicy::from(hedge),
+        RetryBudget::new(1, 0.001).unwrap(),
+    );
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(channel(&server));
+    let mut client = LibraryClient::new(svc);
+    let book = bounded(client.get_book(get_book())).await;
+    assert!(book.is_ok(), "{book:?}");
+    assert_eq!(server.streams(), 2);
+    assert_eq!(layer.metrics().transparent_retries(), 1);
+}

@@ -97,6 +97,11 @@ pin_project! {
         key: Option<HeaderValue>,
         // Attempts that reached the inner service.
         sent: u32,
+        // Bit n: attempt n was judged never sent.
+        unsent_numbers: u32,
+        // Hedging stopped because the body is not all there to send again:
+        // no transparent retry would find it whole either.
+        streaming: bool,
         // No more hedges: pushback said so, the budget or the cap refused,
         // the body cannot be sent again, or the time is up.
         frozen: bool,
@@ -171,6 +176,8 @@ where
             pushed: false,
             started: 0,
             transparent: 0,
+            unsent_numbers: 0,
+            streaming: false,
             key,
             sent: 0,
             frozen: false,
@@ -241,20 +248,15 @@ where
                         attempt = done.number,
                         "the server refused the stream before its application saw it; sending it again (transparent retry)"
                     );
-                    let mut request =
-                        next_request(template, *this.started, this.failed, this.inflight, policy);
                     // The refused attempt is not counted among those sent
                     // before it.
-                    match *this.started - 1 {
-                        0 => {
-                            request.headers_mut().remove(PREVIOUS_ATTEMPTS);
-                        }
-                        n => {
-                            request
-                                .headers_mut()
-                                .insert(PREVIOUS_ATTEMPTS, previous_attempts(n));
-                        }
-                    }
+                    let mut request = next_request(
+                        template,
+                        (*this.started, *this.started - 1),
+                        this.failed,
+                        this.inflight,
+                        policy,
+                    );
                     request.body_mut().set_transparent(true);
                     *this.started += 1;
                     *this.transparent = done.number;
@@ -285,6 +287,18 @@ where
                 );
                 match judged {
                     Judged::Commit(response) => {
+                        // The attempts sent before it: neither a refused one
+                        // nor one that never left.
+                        let previous = (1..done.number)
+                            .filter(|&n| {
+                                n != *this.transparent
+                                    && *this.unsent_numbers & (1 << n.min(31)) == 0
+                                    && !this
+                                        .inflight
+                                        .iter()
+                                        .any(|a| a.number == n && !a.future.is_sent())
+                            })
+                            .count() as u32;
                         // The others are drained, not reset (see
                         // `crate::drain`).
                         for mut loser in this.inflight.drain(..) {
@@ -300,10 +314,6 @@ where
                         if let Some(template) = this.template.take() {
                             template.body().release_to(done.number);
                         }
-                        // The attempts started before it, less a refused one.
-                        let refused = *this.transparent;
-                        let previous =
-                            done.number - 1 - u32::from(refused != 0 && refused < done.number);
                         let mut response = response;
                         let failed = response
                             .headers()
@@ -361,6 +371,7 @@ where
                     Judged::Unsent(failure) => {
                         *this.frozen = true;
                         done.never_sent(plan);
+                        *this.unsent_numbers |= 1 << done.number.min(31);
                         if done.number > 1
                             && matches!(failure, Failure::NoBudget | Failure::Cut { .. })
                         {
@@ -428,9 +439,11 @@ where
                 match may_hedge(this.template, *this.started, plan, (cx, ahead)) {
                     May::Send => {
                         let template = this.template.as_ref().expect("checked by may_hedge");
+                        // Attempts started before it, less a refused one.
+                        let previous = *this.started - u32::from(*this.transparent != 0);
                         let request = next_request(
                             template,
-                            *this.started,
+                            (*this.started, previous),
                             this.failed,
                             this.inflight,
                             policy,
@@ -454,6 +467,7 @@ where
                     }
                     May::NotTheBody => {
                         *this.frozen = true;
+                        *this.streaming = true;
                         body_not_hedged(this.template, this.shared, policy);
                     }
                     May::Capped => {
@@ -465,9 +479,12 @@ where
                 }
             }
 
-            // No more hedges, and one attempt left, sent: the copy goes once
-            // it has read past it, and nothing more is copied (§7a).
+            // No more hedges, and one attempt left, sent, which no
+            // transparent retry will follow (the call made its one, or the
+            // body streams): the copy goes once it has read past it, and
+            // nothing more is copied.
             if *this.frozen
+                && (*this.transparent != 0 || *this.streaming)
                 && let [last] = this.inflight.as_slice()
                 && last.future.is_sent()
                 && let Some(template) = this.template.take()
@@ -598,12 +615,13 @@ fn may_hedge<B>(
     }
 }
 
-/// The request for the attempt after `started` ones: a copy of the
-/// template, numbered, naming the instances the call has in flight or that
-/// failed it, paid for if it is a hedge.
+/// The request for the attempt after `started` ones, `previous` of them
+/// counted as sent before it: a copy of the template, numbered, naming the
+/// instances the call has in flight or that failed it, paid for if it is a
+/// hedge.
 fn next_request<B, F>(
     template: &Request<ReplayBody<B>>,
-    started: u32,
+    (started, previous): (u32, u32),
     failed: &AlreadyTried,
     inflight: &[InFlight<F>],
     policy: &RetryPolicy,
@@ -623,8 +641,12 @@ fn next_request<B, F>(
         return req;
     }
     // A6: hedge k carries the number of attempts sent before it.
-    req.headers_mut()
-        .insert(PREVIOUS_ATTEMPTS, previous_attempts(started));
+    if previous > 0 {
+        req.headers_mut()
+            .insert(PREVIOUS_ATTEMPTS, previous_attempts(previous));
+    } else {
+        req.headers_mut().remove(PREVIOUS_ATTEMPTS);
+    }
     let mut tried = failed.clone();
     if policy.instance_header.is_some() {
         for attempt in inflight {

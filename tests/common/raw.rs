@@ -28,6 +28,8 @@ pub enum Step {
     /// `RST_STREAM(REFUSED_STREAM)` before reading anything: the server
     /// library turned the stream away.
     Refuse,
+    /// `RST_STREAM(REFUSED_STREAM)` after this long, the request unread.
+    RefuseAfter(Duration),
     /// A Trailers-Only answer with this code.
     Status(Code),
     /// A `Book` answer, after this long.
@@ -119,9 +121,17 @@ async fn serve(
         let step = script.lock().unwrap().pop_front();
         tokio::spawn(async move {
             let (_, mut body) = request.into_parts();
-            if let Some(Step::Refuse) = step {
-                respond.send_reset(h2::Reason::REFUSED_STREAM);
-                return;
+            match step {
+                Some(Step::Refuse) => {
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    return;
+                }
+                Some(Step::RefuseAfter(wait)) => {
+                    tokio::time::sleep(wait).await;
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    return;
+                }
+                _ => {}
             }
             // Read the request whole first, as a gRPC server does.
             while let Some(Ok(chunk)) = body.data().await {
