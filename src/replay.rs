@@ -418,7 +418,7 @@ struct Shared<B> {
     /// A retried call's attempts sent that may be drained, whose clone is
     /// alive (bit `epoch`).
     drainable: u32,
-    /// Those of them being drained (cut by their own timeout, §3a): their
+    /// Those of them being drained (cut by their own timeout): their
     /// transport may still have to send the body (failing it would reset
     /// the stream after all), so they may replay what later attempts read,
     /// and the copy is kept while their clone and their drain both last.
@@ -1050,7 +1050,7 @@ impl<B> ReplayBody<B> {
     }
 
     /// This clone, just sent, is an attempt of a retried call drained if cut
-    /// by its own timeout (§3a): what lets it read on then (see
+    /// by its own timeout: what lets it read on then (see
     /// [`Lingering`]). `None` for a hedged call's attempt, which
     /// [`release_to`](Self::release_to) keeps the body for.
     pub(crate) fn drainable(&mut self) -> Option<Lingering>
@@ -1547,7 +1547,7 @@ where
             {
                 // Past what was kept when the call was released while
                 // attempts drain (read since by the attempt it is released
-                // to, and not copied, §7a), or the copy is gone because none
+                // to, and not copied), or the copy is gone because none
                 // needed it: a drained attempt waits for its drain to end.
                 return shared.hold_back(this.epoch, &mut this.waited, cx);
             }

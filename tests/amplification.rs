@@ -1,8 +1,8 @@
-//! Retries multiply across layers (SPEC §9): three hops, each a real tonic
+//! Retries multiply across layers: three hops, each a real tonic
 //! client and server with a retry layer of its own, over a bottom service in a
 //! total outage. Without budgets and without the "do not retry" mark every
 //! user call becomes 3 · 3 · 3 = 27 calls at the bottom; with budgets the
-//! growth is bounded by what the budgets hold; with the mark (SPEC §11, on by
+//! growth is bounded by what the budgets hold; with the mark (on by
 //! default) the retries happen once, at the lowest hop: 3.
 
 mod common;

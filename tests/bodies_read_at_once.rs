@@ -43,7 +43,7 @@ async fn a_call_failing_once(
     (call, retried)
 }
 
-/// §7b: the layer-wide limit is across the calls in flight. A call still
+/// The layer-wide limit is across the calls in flight. A call still
 /// waiting for its service to be ready has sent nothing and read nothing,
 /// and holds no replay memory: a call that was sent and fails meanwhile
 /// finds room, and is retried.
@@ -74,7 +74,7 @@ async fn a_call_waiting_for_its_service_holds_no_replay_memory() {
     );
 }
 
-/// §7b / §7a: the copy is counted while a clone still has to read it. The
+/// The copy is counted while a clone still has to read it. The
 /// last attempt is sent, but its transport has not read its body yet (its
 /// send window full): the copy's bytes are still held for it, and counted,
 /// so the layer admits no second copy past its limit.
@@ -106,7 +106,7 @@ async fn the_copy_is_counted_until_the_last_attempt_has_read_it() {
     );
 }
 
-/// §3a + §7b: an attempt cut by its own timeout is drained, its transport
+/// An attempt cut by its own timeout is drained, its transport
 /// yet to send its body. Once the call ends (its retry answered), the copy
 /// is still held for the drained attempt, and stays counted while it has
 /// yet to read it.
@@ -180,7 +180,7 @@ async fn a_call_made_in_a_task_or_in_block_on_reads_its_body_at_once() {
     assert_eq!((in_block_on, in_task), (8, 8), "(in block_on, in a task)");
 }
 
-/// §15: a call can be made on one thread and spawned on a runtime (e.g.
+/// A call can be made on one thread and spawned on a runtime (e.g.
 /// `handle.spawn(svc.call(req))` from a thread outside the runtime): `call`
 /// reads nothing of the caller's body there, where a body whose poll needs
 /// the runtime would panic.
@@ -208,7 +208,7 @@ fn a_call_made_outside_a_runtime_is_sent_on_it() {
     });
 }
 
-/// §15: a task of a `LocalSet` polled outside any runtime (by an executor
+/// A task of a `LocalSet` polled outside any runtime (by an executor
 /// that is not tokio's) has a task id but no runtime: `call` reads nothing
 /// of the caller's body there either.
 #[test]
@@ -246,7 +246,7 @@ fn a_call_made_in_a_local_set_task_outside_a_runtime_reads_nothing_in_call() {
     );
 }
 
-/// §7b: a call whose first attempt is cut before it is sent (a per-attempt
+/// A call whose first attempt is cut before it is sent (a per-attempt
 /// timeout of zero for its method) has sent nothing, and holds no replay
 /// memory through its backoffs: a call sent meanwhile, failing once, finds
 /// room and is retried.
@@ -283,7 +283,7 @@ async fn a_call_whose_first_attempt_was_cut_unsent_holds_no_replay_memory_in_its
     );
 }
 
-/// §15, with a deadline: the attempt's timer is made when the call is first
+/// With a deadline: the attempt's timer is made when the call is first
 /// polled, on the runtime, not where the call was made.
 #[test]
 fn a_call_with_a_deadline_made_outside_a_runtime_is_sent_on_it() {

@@ -1,4 +1,4 @@
-//! The request body of an attempt being drained (SPEC §3a, §7a, §7b, §13):
+//! The request body of an attempt being drained:
 //! a drained attempt's transport may still have to send it (failing it would
 //! reset the stream after all), so it stays readable, and the replay copy is
 //! kept, while the drain lasts; then the copy goes. Hedged calls' losers and
@@ -81,7 +81,7 @@ type Sent = (
     tower_test::mock::SendResponse<Response<Body>>,
 );
 
-/// §7a: once a call can no longer be retried the replay copy is released
+/// Once a call can no longer be retried the replay copy is released
 /// and no further chunk is copied: a long client or bidi stream holds no
 /// copy for its lifetime. A loser being drained keeps the body until its
 /// transport lets it go; then the winner's stream holds no copy, and what it
@@ -130,7 +130,7 @@ async fn once_the_losers_drains_end_the_winners_stream_holds_no_copy() {
 }
 
 /// The same call with nothing drained (the loser answered before the
-/// winner): the copy goes at the commit, as §7a says.
+/// winner): the copy goes at the commit.
 #[tokio::test(start_paused = true)]
 async fn without_a_drain_the_copy_goes_at_the_commit() {
     let (mut svc, mut handle, layer) = setup(hedge(2, 0).into(), budget());
@@ -159,8 +159,8 @@ async fn without_a_drain_the_copy_goes_at_the_commit() {
 }
 
 /// The same, past the call's deadline: the winner's response was cut at the
-/// deadline (§3a) and every drain is over, so the layer's replay memory is
-/// not held for a call that can never be retried (§7a), however long its
+/// deadline and every drain is over, so the layer's replay memory is
+/// not held for a call that can never be retried, however long its
 /// request stream stays open.
 #[tokio::test(start_paused = true)]
 async fn past_the_deadline_a_hedged_call_whose_loser_drained_holds_no_replay_memory() {
@@ -259,7 +259,7 @@ fn big(n: usize) -> Result<http_body::Frame<Bytes>, tonic::Status> {
     Ok(http_body::Frame::data(Bytes::from(vec![b'x'; n])))
 }
 
-/// A hedged call: an attempt cut by its own timeout is drained (§3a), not in
+/// A hedged call: an attempt cut by its own timeout is drained, not in
 /// flight when another commits; its transport may still have to send the body,
 /// and sends it whole.
 #[tokio::test(start_paused = true)]
@@ -293,7 +293,7 @@ async fn a_hedged_attempt_cut_by_its_own_timeout_and_drained_sends_its_body_whol
 
 /// A retried call whose cut attempt sent its body whole (its clone gone) holds
 /// no copy once the call has ended, though that attempt's drain goes on: the
-/// layer's replay memory is free for other calls' retries (§7b).
+/// layer's replay memory is free for other calls' retries.
 #[tokio::test(start_paused = true)]
 async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_needs() {
     let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
@@ -377,7 +377,7 @@ async fn a_drain_outliving_every_clone_holds_neither_the_copy_nor_the_callers_st
     );
 }
 
-/// After the last retry committed, nothing more is copied (§7a), even while
+/// After the last retry committed, nothing more is copied, even while
 /// an earlier attempt drains: that attempt waits rather than fail (which
 /// would reset its stream after all) when the live one reads on past what
 /// was kept.

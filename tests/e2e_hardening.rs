@@ -1,5 +1,4 @@
-//! The hardening promises against real tonic servers on loopback (SPEC §3a,
-//! §6a, §8a): a saturated concurrency limit below the layer, a slow instance
+//! The hardening promises against real tonic servers on loopback: a saturated concurrency limit below the layer, a slow instance
 //! behind the balancer under concurrent traffic, the three racing timers, a
 //! server that is down, and a peer that drops the connection. Times here are real but short, and every call is
 //! bounded.
@@ -206,7 +205,7 @@ async fn a_server_that_is_down_is_reported_as_unavailable() {
 /// A peer that accepts the connection, reads what the client sends, and
 /// drops the connection without a response: the attempts find no server to
 /// answer them, and the call ends as UNAVAILABLE naming the transport error,
-/// whatever the number of attempts (SPEC §8a). (tonic's own client reports
+/// whatever the number of attempts. (tonic's own client reports
 /// this as UNKNOWN "transport error".)
 #[tokio::test]
 async fn a_connection_dropped_before_the_response_ends_as_unavailable() {

@@ -1,4 +1,4 @@
-//! The hardening promises at their edges (SPEC §3a, §4a, §6a, §7a, §8a): a
+//! The hardening promises at their edges: a
 //! commit while a retry is still replaying, a failed attempt's stream reading
 //! on, limits that are not on a millisecond, balancers at their limits, the
 //! call dropped at each await point, values at the ends of their types. Mock
@@ -38,7 +38,7 @@ fn policy(attempts: u32) -> RetryPolicy {
 }
 
 // ---------------------------------------------------------------------------
-// §7 / §7a: the replay copy released while a retry still replays it
+// The replay copy released while a retry still replays it
 // ---------------------------------------------------------------------------
 
 /// A client stream whose attempt 1 read `chunks` and failed (Trailers-Only
@@ -83,7 +83,7 @@ async fn retried_after_reading(policy: RetryPolicy, chunks: &[&'static str]) -> 
 /// answers response headers at once (a server-streaming handler returns its
 /// `Response` before reading the request stream). The commit releases the
 /// copy while attempt 2 has not replayed it yet: attempt 2's request body
-/// must still be sent whole (§7: never truncated, never corrupted).
+/// must still be sent whole (never truncated, never corrupted).
 #[tokio::test(start_paused = true)]
 async fn commit_while_the_retry_is_still_replaying_keeps_its_body_whole() {
     let Retried {
@@ -143,7 +143,7 @@ async fn the_last_attempt_survives_a_late_read_by_the_failed_attempt() {
 }
 
 // ---------------------------------------------------------------------------
-// §3a: the committed body is cut at the deadline — not before it
+// The committed body is cut at the deadline — not before it
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -223,7 +223,7 @@ async fn a_trailers_only_answer_whose_body_stalls_still_ends_at_the_deadline() {
 }
 
 // ---------------------------------------------------------------------------
-// §4a: a token only for an attempt really sent — through PreferUntried
+// A token only for an attempt really sent — through PreferUntried
 // ---------------------------------------------------------------------------
 
 type MockSvc = tower_test::mock::Mock<Request<Body>, Response<Body>>;
@@ -262,7 +262,7 @@ async fn prefer_untried_sends_a_paid_retry_at_once_rather_than_wait_for_a_satura
 }
 
 // ---------------------------------------------------------------------------
-// §6a / no hang: PreferUntried whose endpoints have all failed
+// PreferUntried whose endpoints have all failed
 // ---------------------------------------------------------------------------
 
 #[derive(Clone)]
@@ -301,7 +301,7 @@ async fn prefer_untried_with_all_endpoints_failed_never_hangs_a_call() {
 }
 
 // ---------------------------------------------------------------------------
-// §8a: the first attempt's readiness failure names the transport error
+// The first attempt's readiness failure names the transport error
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -323,7 +323,7 @@ async fn a_first_attempt_that_finds_no_server_names_the_error() {
 }
 
 // ---------------------------------------------------------------------------
-// §3: "no time left", naming the last attempt's code
+// "no time left", naming the last attempt's code
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -348,7 +348,7 @@ async fn no_time_left_names_the_last_attempts_code() {
 }
 
 // ---------------------------------------------------------------------------
-// §3a: the attempt itself is cut before the deadline (same timer slack)
+// The attempt itself is cut before the deadline (same timer slack)
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -515,7 +515,7 @@ async fn budget_shared_only_one_of_many_pays() {
 }
 
 // ---------------------------------------------------------------------------
-// §7 / §7a against a real tonic server: a bidi retry committed mid-replay
+// Against a real tonic server: a bidi retry committed mid-replay
 // ---------------------------------------------------------------------------
 
 #[tokio::test]
@@ -622,7 +622,7 @@ where
 }
 
 // ---------------------------------------------------------------------------
-// §6a: the caller's mark must not crowd out the instance this call failed on
+// The caller's mark must not crowd out the instance this call failed on
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -712,7 +712,7 @@ async fn no_budget_at_send_names_the_last_attempt_sent() {
 }
 
 // ---------------------------------------------------------------------------
-// §3 / §10: the last retry refused at send time for lack of time
+// The last retry refused at send time for lack of time
 // ---------------------------------------------------------------------------
 
 /// One failed attempt (UNAVAILABLE), then its retry finds the service ready
@@ -759,7 +759,7 @@ async fn a_retry_refused_for_time_at_send_is_counted_and_named_even_the_last() {
 }
 
 // ---------------------------------------------------------------------------
-// §7 / §7a: the live attempt's replay
+// The live attempt's replay
 // ---------------------------------------------------------------------------
 
 /// Attempt 1 fails (Trailers-Only UNAVAILABLE) while its transport still

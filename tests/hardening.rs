@@ -1,5 +1,5 @@
 //! The promises that matter under overload, on long streams and against
-//! hostile servers (SPEC amendments §1a, §3a, §4a, §6a, §7a, §8a), against
+//! hostile servers, against
 //! `tower-test` mocks under paused tokio time: every wait is virtual and exact.
 
 mod support;
@@ -52,7 +52,7 @@ fn retry_info(seconds: i64, nanos: i32) -> HeaderValue {
 }
 
 // ---------------------------------------------------------------------------
-// §3a: the deadline bounds everything the call does
+// The deadline bounds everything the call does
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -432,7 +432,7 @@ async fn timer_errors_from_below_read_as_deadline_exceeded() {
 }
 
 // ---------------------------------------------------------------------------
-// §4a: a token pays only for an attempt that is really sent
+// A token pays only for an attempt that is really sent
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -469,7 +469,7 @@ async fn a_budget_emptied_during_the_backoff_refuses_when_the_retry_is_sent() {
 }
 
 // ---------------------------------------------------------------------------
-// §8a: what the caller sees when the attempts found no server
+// What the caller sees when the attempts found no server
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -504,7 +504,7 @@ async fn an_error_carrying_a_status_is_that_status() {
 }
 
 // ---------------------------------------------------------------------------
-// §1a: metadata read exactly as the client will read it
+// Metadata read exactly as the client will read it
 // ---------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
@@ -637,7 +637,7 @@ async fn an_empty_idempotency_key_is_replaced() {
 }
 
 // ---------------------------------------------------------------------------
-// §6a: the already-tried loop without a response
+// The already-tried loop without a response
 // ---------------------------------------------------------------------------
 
 /// Plays a balancer below the layer: reports picking `instance` in the
@@ -783,7 +783,7 @@ async fn a_huge_instance_id_from_a_server_is_skipped() {
 }
 
 // ---------------------------------------------------------------------------
-// §7a: replay memory ends when retries end
+// Replay memory ends when retries end
 // ---------------------------------------------------------------------------
 
 /// A chunk of fresh memory, and a handle that tells whether anyone else still

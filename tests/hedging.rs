@@ -1,4 +1,4 @@
-//! Hedging (SPEC §13), one behaviour a test, under paused time: the
+//! Hedging, one behaviour a test, under paused time: the
 //! schedule, what commits, non-fatal answers, pushback, the budget and the
 //! extra-load cap, the deadline, what every hedge carries, bodies, and the
 //! call's end.
@@ -610,7 +610,7 @@ async fn extra_load_share_is_not_spent_on_hedges_never_sent() {
     call.await.unwrap().unwrap();
 }
 
-/// Once a call commits, its replay copy goes (§7): a hedged call's as a
+/// Once a call commits, its replay copy goes: a hedged call's as a
 /// retried call's.
 async fn copy_held_after_commit(policy: RetryPolicy) -> usize {
     let layer = RetryLayer::new(policy, budget());
@@ -885,7 +885,7 @@ async fn refused_after_non_fatal(
 }
 
 /// A call whose next attempt the budget or the deadline (its minimum attempt
-/// budget) refused goes up marked "do not retry" (§11): hedged as retried.
+/// budget) refused goes up marked "do not retry": hedged as retried.
 #[tokio::test(start_paused = true)]
 async fn a_call_refused_its_next_attempt_is_marked_for_the_layers_above() {
     let poor = || RetryBudget::new(1, 0.001).unwrap();
@@ -1021,7 +1021,7 @@ async fn a_call_ended_by_its_deadline_gives_back_the_cap_places_of_hedges_never_
 }
 
 /// An attempt cut by its own timeout is drained while its call goes on; if
-/// the caller then drops the call, the drain ends with it (§8: dropping the
+/// the caller then drops the call, the drain ends with it (dropping the
 /// call leaves nothing running).
 #[tokio::test(start_paused = true)]
 async fn dropping_the_call_ends_the_drain_of_its_timed_out_attempt() {
@@ -1066,7 +1066,7 @@ async fn ends_at_deadline_with_service_saturated(
     (code_of(&r), Instant::now() - t0, pushback)
 }
 
-/// §3a, §13: a hedge waiting for a saturated service ends the call at its
+/// A hedge waiting for a saturated service ends the call at its
 /// deadline with DEADLINE_EXCEEDED, as a retry does.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_call_held_by_a_saturated_service_ends_deadline_exceeded() {
@@ -1086,7 +1086,7 @@ async fn a_hedged_call_held_by_a_saturated_service_ends_deadline_exceeded() {
     );
 }
 
-/// §11, §13: a call that hedged and then ran out of time goes up marked "do
+/// A call that hedged and then ran out of time goes up marked "do
 /// not retry", as a retried one does.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_call_that_runs_out_of_time_after_hedging_is_marked() {
@@ -1128,7 +1128,7 @@ async fn a_hedged_call_that_runs_out_of_time_after_hedging_is_marked() {
     );
 }
 
-/// §13: a server's pushback delays the next hedge to n ms from then; a later
+/// A server's pushback delays the next hedge to n ms from then; a later
 /// non-fatal answer without pushback does not cut the server's delay short.
 #[tokio::test(start_paused = true)]
 async fn a_later_answer_without_pushback_does_not_cancel_the_servers_delay() {
@@ -1155,7 +1155,7 @@ async fn a_later_answer_without_pushback_does_not_cancel_the_servers_delay() {
     );
 }
 
-/// §13: the adaptive delay is the percentile of the method's latencies:
+/// The adaptive delay is the percentile of the method's latencies:
 /// every attempt takes 8.2 ms, so p95 is 8.2 ms (the bucket it falls in
 /// reaches 10.2 ms), and the hedge goes at the next whole millisecond.
 #[tokio::test(start_paused = true)]
@@ -1196,7 +1196,7 @@ fn unsized_request(message: &'static [u8]) -> Request<Body> {
     req
 }
 
-/// §13: "when an attempt is slow, send another copy". A first attempt slow
+/// "when an attempt is slow, send another copy". A first attempt slow
 /// before it reads its body (its connection full, or still being made)
 /// does not hold back the hedge of a body that is all there: the body is
 /// read ahead, and both attempts send it whole.

@@ -1,5 +1,5 @@
 //! Hedged bodies read ahead, proxy answers handed up as gRPC statuses, and
-//! the hedge driver's deadline bookkeeping (SPEC §7, §7a, §7b, §11, §13),
+//! the hedge driver's deadline bookkeeping,
 //! each against the retry path where it has one. Mocks under paused time.
 
 mod support;
@@ -46,8 +46,7 @@ fn unsized_request(chunks: Vec<Bytes>) -> Request<Body> {
     req
 }
 
-/// A retried call's copy goes as soon as its body outgrows the limit (§7,
-/// §7a, §7b).
+/// A retried call's copy goes as soon as its body outgrows the limit.
 #[tokio::test(start_paused = true)]
 async fn a_retried_calls_copy_past_the_limit_goes_at_once() {
     let policy = RetryPolicy::default().with_replay_limit(4);
@@ -72,7 +71,7 @@ async fn a_retried_calls_copy_past_the_limit_goes_at_once() {
 /// A hedged call whose body was read ahead past the replay limit can hedge no
 /// more: once its one attempt has sent the whole body, the copy goes (the
 /// layer memory it reserved, and the chunk past the limit), not at the
-/// call's end (§7a, §7b).
+/// call's end.
 #[tokio::test(start_paused = true)]
 async fn a_copy_read_ahead_past_the_limit_goes_once_the_body_is_sent() {
     let small = hedge(2, 10).with_settings_of(&RetryPolicy::default().with_replay_limit(4));
@@ -128,7 +127,7 @@ async fn a_retried_call_with_no_attempt_left_ends_with_the_last_status() {
     ends_unavailable_unrefused(&response, &layer);
 }
 
-/// So does a hedged call (§13: "with the last status ... as for retries"):
+/// So does a hedged call ("with the last status ... as for retries"):
 /// both attempts of a two-attempt hedge were sent, one answers UNAVAILABLE
 /// with a pushback past the deadline, the other UNAVAILABLE. No hedge was
 /// refused, nothing ran out of time.
@@ -209,7 +208,7 @@ fn assert_marked<B>(response: &Response<B>) {
     );
 }
 
-/// Two layers stacked (§11: "Every A6 client (... this layer) then passes
+/// Two layers stacked ("Every A6 client (... this layer) then passes
 /// the failure up without retrying it"): the server sends one marked 503,
 /// and must see one attempt in all.
 #[tokio::test(start_paused = true)]
@@ -277,7 +276,7 @@ async fn a_hedge_refused_for_a_body_read_ahead_past_the_limit_is_counted() {
     let response = call.await.unwrap().unwrap();
     assert_eq!(code_of(&response), Code::Unavailable);
     assert!(handle.next_request().now_or_never().is_none());
-    assert_eq!(layer.metrics().body_too_large(), 1, "counted (§7b)");
+    assert_eq!(layer.metrics().body_too_large(), 1, "counted");
 }
 
 #[tokio::test(start_paused = true)]
@@ -311,7 +310,7 @@ async fn five_attempts_at_once_all_send_the_body_read_ahead_with_its_trailers() 
 
 /// A body of known size within the call's limit is hedged side by side
 /// before it is complete only if the layer's replay memory can hold all of
-/// it (§7b): with the layer's memory too small, it is not hedged (counted
+/// it: with the layer's memory too small, it is not hedged (counted
 /// and said), and its one attempt sends it whole.
 #[tokio::test(start_paused = true)]
 async fn a_body_of_known_size_the_layers_memory_cannot_hold_is_not_hedged() {
@@ -326,7 +325,7 @@ async fn a_body_of_known_size_the_layers_memory_cannot_hold_is_not_hedged() {
         handle.next_request().now_or_never().is_none(),
         "no hedge: the layer cannot hold the copy"
     );
-    assert_eq!(layer.metrics().body_too_large(), 1, "counted (§7b)");
+    assert_eq!(layer.metrics().body_too_large(), 1, "counted");
     let sent = r1.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(sent.len(), 10, "sent whole: {sent:?}");
     a1.send_response(ok());
@@ -407,7 +406,7 @@ fn limited_request(payload: &'static [u8], upper: usize) -> Request<Body> {
 }
 
 /// An upper bound is not a size: a body whose hint is loose is not taken to
-/// fit, and reserves only what its copy holds (§7b).
+/// fit, and reserves only what its copy holds.
 #[tokio::test(start_paused = true)]
 async fn a_loose_size_hint_reserves_no_layer_memory_the_copy_does_not_hold() {
     let layer = RetryLayer::new(hedge(2, 0), budget()).with_replay_memory(1500);
@@ -439,7 +438,7 @@ async fn a_loose_size_hint_reserves_no_layer_memory_the_copy_does_not_hold() {
 }
 
 /// A hedged call that can hedge no more (its body streams), with one attempt
-/// left, holds no copy of its stream (§7a).
+/// left, holds no copy of its stream.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_stream_that_can_hedge_no_more_holds_no_copy() {
     let (mut svc, mut handle, layer) = setup(hedge(2, 10).into(), budget());
@@ -507,7 +506,7 @@ async fn a_proxy_answer_keeps_every_value_of_a_repeated_header_and_drops_its_det
 
 /// A hedge that loses is drained, not reset: its request body must still be
 /// there to send after another attempt committed, or the transport fails the
-/// body and resets the stream after all (§13: "Cancelled losers never cost
+/// body and resets the stream after all ("Cancelled losers never cost
 /// a connection").
 #[tokio::test(start_paused = true)]
 async fn a_loser_that_has_yet_to_send_its_body_sends_it_whole_after_the_commit() {

@@ -528,7 +528,7 @@ fn valid_timeout(value: &HeaderValue) -> Option<Duration> {
     })
 }
 
-/// Whether an answer is final by the plain rules of SPEC §1, with the
+/// Whether an answer is final by the plain rules of gRPC's status codes, with the
 /// default retryable set: no retry may follow it. Answers whose fate depends
 /// on more (RetryInfo, deadline room) are not judged here.
 fn clearly_final(answer: &Answer) -> bool {
@@ -718,7 +718,7 @@ async fn run(seed: u64) {
         let log = log.lock().unwrap();
         // An attempt's own timeout runs from when the layer made it, which
         // may be long before it was sent (it waits for a ready service under
-        // that timeout, §3a): an answer that came once the call's first
+        // that timeout): an answer that came once the call's first
         // attempt timeout had passed may have been cut.
         let cut = |_started: Instant, at: Instant| {
             case.attempt_timeout.is_some_and(|t| at >= start + t)

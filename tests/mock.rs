@@ -826,7 +826,7 @@ async fn dropping_the_call_during_backoff_sends_nothing_more() {
         handle.next_request().now_or_never().is_none(),
         "a retry was sent after the drop"
     );
-    // SPEC §4a: the token pays for an attempt really sent; none was.
+    // The token pays for an attempt really sent; none was.
     assert_eq!(
         layer.metrics().retries(),
         0,

@@ -1,4 +1,4 @@
-//! Retry at one layer (SPEC §11): a layer that gives up on a retryable failure
+//! Retry at one layer: a layer that gives up on a retryable failure
 //! after retrying, or because its budget or the deadline refused a retry,
 //! marks the failure "do not retry" (`grpc-retry-pushback-ms: -1`) for the
 //! layers above; a failure it did not retry is not marked; a layer that gets a

@@ -603,7 +603,7 @@ async fn proxy_answer(response: Response<Body>) -> (Code, Vec<(String, u64)>) {
     (status.code(), statuses(&got, "grpc.client.call.duration"))
 }
 
-/// §1: a proxy's HTTP 503 page is UNAVAILABLE, for the caller (tonic's
+/// A proxy's HTTP 503 page is UNAVAILABLE, for the caller (tonic's
 /// client would read the page as gRPC messages and report INTERNAL) and in
 /// the metrics alike.
 #[tokio::test(start_paused = true)]
@@ -613,7 +613,7 @@ async fn a_final_html_503_is_unavailable_to_the_caller_and_in_the_metrics() {
     assert_eq!(recorded, vec![("UNAVAILABLE".to_owned(), 1)]);
 }
 
-/// §1a: an HTTP 200 that is not gRPC (an HTML page) is UNKNOWN, for the
+/// An HTTP 200 that is not gRPC (an HTML page) is UNKNOWN, for the
 /// caller and in the metrics (not CANCELLED: the caller cancelled nothing).
 #[tokio::test(start_paused = true)]
 async fn a_final_html_200_is_unknown_to_the_caller_and_in_the_metrics() {
@@ -662,7 +662,7 @@ fn refusals(got: &support::exported::Collected) -> Vec<(String, f64)> {
 }
 
 /// A hedge the deadline leaves no time for is a refusal by the deadline, as
-/// a retry is, and the call ends DEADLINE_EXCEEDED (§3a), counted once.
+/// a retry is, and the call ends DEADLINE_EXCEEDED, counted once.
 #[tokio::test(start_paused = true)]
 async fn a_hedge_refused_by_the_deadline_is_counted_as_a_retry_is() {
     for hedged in [false, true] {
@@ -718,8 +718,8 @@ async fn a_retried_calls_trailers_only_ok_moves_the_gauge() {
     );
 }
 
-/// §14: the budget's balance gauge. A hedged call whose first attempt ends
-/// with a Trailers-Only OK deposits (§4), and the gauge says so too.
+/// The budget's balance gauge. A hedged call whose first attempt ends
+/// with a Trailers-Only OK deposits, and the gauge says so too.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_calls_trailers_only_ok_moves_the_gauge() {
     let hedge = HedgePolicy::new(2, Duration::from_millis(50)).unwrap();

@@ -348,8 +348,8 @@ async fn steer_partly_ready_without_layer_control() {
 }
 
 /// A Steer whose picker sends a retry (it carries
-/// `grpc-previous-rpc-attempts`) to the second service, as §6 asks a
-/// balancer below the layer to do.
+/// `grpc-previous-rpc-attempts`) to the second service, as a balancer below
+/// the layer should.
 fn steer_retries_elsewhere() -> (Steered, Handle, Handle) {
     let (first, a) = tower_test::mock::pair();
     let (second, b) = tower_test::mock::pair();

@@ -1,4 +1,4 @@
-//! Replay limits as grpc-java's (SPEC §7b): 1 MiB per call by default, and a
+//! Replay limits as grpc-java's: 1 MiB per call by default, and a
 //! limit for the copies of all of a layer's calls in flight together (16 MiB
 //! by default). A body over either is sent whole and at once, not retried,
 //! and counted. Mock tests under paused time.

@@ -1,4 +1,4 @@
-//! gRPC service config through the layer (SPEC §12): A6's retry throttling as
+//! gRPC service config through the layer: A6's retry throttling as
 //! the layer's budget, per-method policies from JSON against a real tonic
 //! server, and JSON that must never make the reader panic.
 

@@ -1,4 +1,4 @@
-//! The layer fits every common tower stack (SPEC §15): a call through it can
+//! The layer fits every common tower stack: a call through it can
 //! be `tokio::spawn`ed on a multi-threaded runtime whatever sits below or
 //! above it, with a generated client on top where one applies.
 //!

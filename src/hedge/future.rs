@@ -113,11 +113,11 @@ pin_project! {
         // of whose attempts was.
         unsent: Option<Failure>,
         // A hedge was refused by the budget, the extra-load cap or the time
-        // left: a failure then is marked for the layers above (§11).
+        // left: a failure then is marked for the layers above.
         refused: bool,
         // The deadline left no time for the next hedge (a server's delay
         // past it, or no time once its service was ready): a call that then
-        // fails ends DEADLINE_EXCEEDED (§3a).
+        // fails ends DEADLINE_EXCEEDED.
         no_time: bool,
         // With an adaptive delay: the latencies of the call's method.
         latencies: Option<Arc<Latencies>>,
@@ -307,7 +307,7 @@ where
                             }
                         }
                         // Nothing more is copied, and the copy goes once the
-                        // winner has read past it (§7a) — once the attempts
+                        // winner has read past it — once the attempts
                         // being drained are done with it: one may still have
                         // to send the body, and failing it would reset its
                         // stream after all. The drains end by the deadline.
@@ -558,7 +558,7 @@ fn start<S, B, RB, Bu, M>(
 }
 
 /// The call's body cannot be sent again: if for a replay limit, that is
-/// counted and said, as for a retry (§7b).
+/// counted and said, as for a retry.
 fn body_not_hedged<B, Bu>(
     template: &Option<Request<ReplayBody<B>>>,
     shared: &Shared<Bu>,
@@ -707,7 +707,7 @@ fn judge<RB, Bu: Budget, M: Metrics>(
         }
         Err(Failure::Cut { why, sent: true }) => {
             // Cut by its own timeout (or a timer below) while the call has
-            // time: no response at all, which is non-fatal (§13) whatever the
+            // time: no response at all, which is non-fatal whatever the
             // set says of DEADLINE_EXCEEDED, and the other attempts go on.
             *sent += 1;
             *last = Some(Last::Status {
@@ -800,7 +800,7 @@ fn judge<RB, Bu: Budget, M: Metrics>(
 
 /// The call's end when no attempt committed: the last non-fatal failure,
 /// marked "do not retry" for the layers above if a hedge was sent, or one was
-/// refused by the budget, the cap or the time left after an attempt was (§11).
+/// refused by the budget, the cap or the time left after an attempt was.
 fn give_up<RB, Bu, M: Metrics>(
     last: Option<Last>,
     unsent: Option<Failure>,
@@ -810,7 +810,7 @@ fn give_up<RB, Bu, M: Metrics>(
 ) -> Response<ResponseBody<RB, M>> {
     // The deadline left no time for the next attempt: the call ends
     // DEADLINE_EXCEEDED, naming how the last one ended, as a retried call
-    // does (§3, §3a).
+    // does.
     let mut response = match last {
         Some(last) if out_of_time => status_response(
             Code::DeadlineExceeded,
@@ -836,7 +836,7 @@ fn give_up<RB, Bu, M: Metrics>(
 }
 
 /// Whether a hedged call that ends failed with `sent` attempts sent is
-/// marked "do not retry" for the layers above (§11): it hedged, or a hedge
+/// marked "do not retry" for the layers above: it hedged, or a hedge
 /// was refused by the budget, the cap or the time left after an attempt was.
 fn gives_up_marked(policy: &RetryPolicy, sent: u32, refused: bool) -> bool {
     policy.retry_at_one_layer && (sent > 1 || (sent > 0 && refused))
