@@ -350,3 +350,47 @@ async fn a_hedged_call_whose_hedges_stopped_still_retries_a_refused_stream() {
     assert_eq!(server.streams(), 2);
     assert_eq!(layer.metrics().transparent_retries(), 1);
 }
+
+#[tokio::test]
+async fn a_transparent_retry_after_a_hedge_never_sent_says_no_attempt_came_before() {
+    // The budget refuses the hedge at 20 ms, so it never leaves; the first
+    // stream is then refused, and its resend follows no attempt the server's
+    // application saw.
+    let server = RawServer::start([Step::RefuseAfter(100 * MS)]).await;
+    let hedge = HedgePolicy::new(2, 20 * MS).unwrap();
+    let layer = RetryLayer::new(
+        RetryPolicy::from(hedge),
+        RetryBudget::new(1, 0.001).unwrap(),
+    );
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(channel(&server));
+    let mut client = LibraryClient::new(svc);
+    let book = bounded(client.get_book(get_book())).await.unwrap();
+    assert_eq!(server.streams(), 2);
+    assert_eq!(server.header(PREVIOUS_ATTEMPTS.as_str()), [None, None]);
+    assert!(book.metadata().get(PREVIOUS_ATTEMPTS.as_str()).is_none());
+}
+
+#[tokio::test]
+async fn a_hedged_call_with_no_attempt_left_after_its_transparent_retry_holds_no_copy() {
+    // Refused, resent at once (answering in 800 ms), hedged at 20 ms
+    // (UNAVAILABLE): the one attempt left can be followed by none.
+    let server = RawServer::start([
+        Step::Refuse,
+        Step::AnswerAfter(Duration::from_millis(800)),
+        Step::Status(Code::Unavailable),
+    ])
+    .await;
+    let hedge = HedgePolicy::new(2, 20 * MS).unwrap();
+    let (mut client, layer) = client(&server, RetryPolicy::from(hedge));
+    let call = tokio::spawn(async move { client.get_book(get_book()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let in_use = layer.replay_memory_in_use();
+    let streams = server.streams();
+    let book = bounded(call).await.unwrap();
+    assert!(book.is_ok(), "{book:?}");
+    assert_eq!(streams, 3);
+    assert_eq!(layer.metrics().transparent_retries(), 1);
+    assert_eq!(in_use, 0, "bytes held once no attempt can follow");
+}

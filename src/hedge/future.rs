@@ -250,9 +250,14 @@ where
                     );
                     // The refused attempt is not counted among those sent
                     // before it.
+                    let previous = sent_before(
+                        *this.started + 1,
+                        (done.number, *this.unsent_numbers),
+                        this.inflight,
+                    );
                     let mut request = next_request(
                         template,
-                        (*this.started, *this.started - 1),
+                        (*this.started, previous),
                         this.failed,
                         this.inflight,
                         policy,
@@ -287,18 +292,11 @@ where
                 );
                 match judged {
                     Judged::Commit(response) => {
-                        // The attempts sent before it: neither a refused one
-                        // nor one that never left.
-                        let previous = (1..done.number)
-                            .filter(|&n| {
-                                n != *this.transparent
-                                    && *this.unsent_numbers & (1 << n.min(31)) == 0
-                                    && !this
-                                        .inflight
-                                        .iter()
-                                        .any(|a| a.number == n && !a.future.is_sent())
-                            })
-                            .count() as u32;
+                        let previous = sent_before(
+                            done.number,
+                            (*this.transparent, *this.unsent_numbers),
+                            this.inflight,
+                        );
                         // The others are drained, not reset (see
                         // `crate::drain`).
                         for mut loser in this.inflight.drain(..) {
@@ -439,8 +437,11 @@ where
                 match may_hedge(this.template, *this.started, plan, (cx, ahead)) {
                     May::Send => {
                         let template = this.template.as_ref().expect("checked by may_hedge");
-                        // Attempts started before it, less a refused one.
-                        let previous = *this.started - u32::from(*this.transparent != 0);
+                        let previous = sent_before(
+                            *this.started + 1,
+                            (*this.transparent, *this.unsent_numbers),
+                            this.inflight,
+                        );
                         let request = next_request(
                             template,
                             (*this.started, previous),
@@ -483,7 +484,8 @@ where
             // transparent retry will follow (the call made its one, or the
             // body streams): the copy goes once it has read past it, and
             // nothing more is copied.
-            if *this.frozen
+            if (*this.frozen
+                || *this.started >= policy.max_attempts + u32::from(*this.transparent != 0))
                 && (*this.transparent != 0 || *this.streaming)
                 && let [last] = this.inflight.as_slice()
                 && last.future.is_sent()
@@ -613,6 +615,29 @@ fn may_hedge<B>(
         Some((_, account)) if !account.try_withdraw() => May::Capped,
         _ => May::Send,
     }
+}
+
+/// How many of the attempts numbered below `number` were sent: not the one
+/// whose stream was refused (`refused`, 0 for none), nor those judged never
+/// sent (bit n of `unsent` for attempt n), nor those still waiting to be.
+fn sent_before<S, B, Bu, M>(
+    number: u32,
+    (refused, unsent): (u32, u32),
+    inflight: &[InFlight<AttemptFuture<S, B, Bu, M>>],
+) -> u32
+where
+    S: Service<Request<B>>,
+    M: Metrics,
+{
+    (1..number)
+        .filter(|&n| {
+            n != refused
+                && unsent & (1 << n.min(31)) == 0
+                && !inflight
+                    .iter()
+                    .any(|a| a.number == n && !a.future.is_sent())
+        })
+        .count() as u32
 }
 
 /// The request for the attempt after `started` ones, `previous` of them
