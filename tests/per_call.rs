@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use common::pb::GetBookRequest;
 use common::pb::library_client::LibraryClient;
-use common::raw::{RawServer, Step};
+use common::raw::{RawServer, Step, bounded};
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_retry::{
     CallPolicy, HedgePolicy, IDEMPOTENCY_KEY, RetryBudget, RetryLayer, RetryPolicy, RetryService,
 };
@@ -23,11 +23,10 @@ fn client(
     server: &RawServer,
     policy: RetryPolicy,
 ) -> (LibraryClient<RetryService<Channel>>, RetryLayer) {
-    let channel = Endpoint::from_shared(format!("http://{}", server.addr))
-        .unwrap()
-        .connect_lazy();
     let layer = RetryLayer::new(policy, RetryBudget::new(100, 0.1).unwrap());
-    let svc = ServiceBuilder::new().layer(layer.clone()).service(channel);
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(server.channel());
     (LibraryClient::new(svc), layer)
 }
 
@@ -44,12 +43,6 @@ fn get_book(own: Option<CallPolicy>) -> tonic::Request<GetBookRequest> {
         request.extensions_mut().insert(own);
     }
     request
-}
-
-async fn bounded<F: std::future::Future>(f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(10), f)
-        .await
-        .expect("the call ended")
 }
 
 #[tokio::test]

@@ -55,7 +55,21 @@ impl Drop for RawServer {
     }
 }
 
+/// Awaits `f`, failing the test if it takes more than 10 s.
+pub async fn bounded<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(10), f)
+        .await
+        .expect("the call ended")
+}
+
 impl RawServer {
+    /// A lazily connecting tonic `Channel` to the server.
+    pub fn channel(&self) -> tonic::transport::Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .connect_lazy()
+    }
+
     pub async fn start(script: impl IntoIterator<Item = Step>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
