@@ -363,3 +363,19 @@ async fn a_hedged_call_with_no_attempt_left_after_its_transparent_retry_holds_no
     assert_eq!(layer.metrics().transparent_retries(), 1);
     assert_eq!(in_use, 0, "bytes held once no attempt can follow");
 }
+
+#[tokio::test]
+async fn a_resend_no_retry_can_follow_holds_no_copy_once_it_has_replayed_the_body() {
+    // One attempt: the refused stream is sent again at once, and nothing can
+    // follow that resend, so its copy goes once the body is replayed,
+    // before the answer (800 ms later).
+    let server = RawServer::start([Step::Refuse, Step::AnswerAfter(800 * MS)]).await;
+    let (mut client, layer) = client(&server, retrying(1));
+    let call = tokio::spawn(async move { client.get_book(get_book()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let in_use = layer.replay_memory_in_use();
+    let streams = server.streams();
+    assert!(bounded(call).await.unwrap().is_ok());
+    assert_eq!((streams, layer.metrics().transparent_retries()), (2, 1));
+    assert_eq!(in_use, 0, "bytes held by a resend no retry can follow");
+}
