@@ -314,3 +314,16 @@ pub use trace::{Metrics, NoMetrics};
 ))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+/// The guide: the long topics, one section each.
+#[cfg(any(
+    all(doc, not(doctest)),
+    all(
+        doctest,
+        feature = "fault",
+        feature = "service-config",
+        feature = "opentelemetry"
+    )
+))]
+#[doc = include_str!("guide.md")]
+pub mod guide {}

@@ -101,8 +101,9 @@ pub(crate) fn code_at_headers(status: StatusCode, headers: &HeaderMap) -> Option
 
 /// A response with no `grpc-status` that the caller is given as the end of
 /// its call (an HTTP error, or a page that is not gRPC: a proxy's answer,
-/// never committed) becomes the Trailers-Only status `code` it maps to. Handed up as it is, tonic's client would read its body as gRPC
-/// messages and report `INTERNAL` whatever the HTTP status said. Its other
+/// never committed) becomes the Trailers-Only status `code` it maps to.
+/// Handed up as it is, tonic's client would read its body as gRPC messages
+/// and report `INTERNAL` whatever the HTTP status said. Its other
 /// headers are kept: a "do not retry" mark, an instance's id.
 pub(crate) fn as_grpc_status<B: Default>(response: &mut Response<B>, code: Code) {
     if response.headers().contains_key(GRPC_STATUS) {
