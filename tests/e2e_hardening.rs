@@ -1,7 +1,8 @@
 //! The hardening promises against real tonic servers on loopback: a
-//! saturated concurrency limit below the layer, a slow instance behind the balancer under concurrent traffic, the three racing timers, a
-//! server that is down, and a peer that drops the connection. Times here are real but short, and every call is
-//! bounded.
+//! saturated concurrency limit below the layer, a slow instance behind the
+//! balancer under concurrent traffic, the three racing timers, a server that
+//! is down, and a peer that drops the connection. Times here are real but
+//! short, and every call is bounded.
 
 mod common;
 
