@@ -212,8 +212,8 @@ async fn a_hedged_call_whose_first_instance_is_not_ready_waits_for_it() {
 // clone). Through a `Steer`, each leaves the caller, or the call's retry, an
 // instance that calls a service nobody polled; tower-test's mock panics. The
 // tests marked `#[ignore]` prove it (`cargo test --test readied_capacity --
-// --ignored`); they fail at d768d45, and on the code before the first
-// attempt went through the caller's instance (16df438). The controls show the
+// --ignored`); they failed on the layer before its first attempt went
+// through the caller's instance. The controls show the
 // same sequences work with no layer.
 //
 // A retry the `Steer` routes to another of its services fails the same way
