@@ -263,6 +263,7 @@ pub fn endpoint(addr: SocketAddr) -> Endpoint {
         .expect("a valid URI")
         // Attempts cut by a per-attempt timeout reset their streams; h2
         // remembers only 50 resets by default, and frames arriving on
-        // forgotten ones close the connection (see the README).
+        // forgotten ones close the connection (see
+        // `RetryPolicy::with_attempt_timeout`).
         .http2_max_concurrent_reset_streams(4096)
 }
