@@ -36,6 +36,7 @@ use crate::classify::{is_timeout, status_in};
 use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, format_repeating, timer_at};
 use crate::drain::{Drain, Drainer};
 use crate::hedge::HedgeFuture;
+use crate::marks::ATTEMPT_TIMEOUT;
 use crate::marks::AlreadyTried;
 use crate::methods::PolicyRef;
 use crate::metrics::{Event, RetryMetrics};
@@ -53,30 +54,50 @@ pub(crate) struct Limits {
     pub(crate) deadline: Option<Instant>,
     /// The per-attempt timeout.
     pub(crate) attempt_timeout: Option<Duration>,
+    /// When the caller stops waiting for the call: the end of its own
+    /// attempt, said by a retry layer above in `x-attempt-timeout`.
+    pub(crate) caller_waits: Option<Instant>,
 }
 
 impl Limits {
+    /// The end of the room the call's attempts and waits must fit in, and
+    /// why: the sooner of the deadline and the caller's wait.
+    pub(crate) fn room(&self) -> Option<(Instant, Cut)> {
+        sooner(
+            self.deadline.map(|d| (d, Cut::Deadline)),
+            self.caller_waits.map(|w| (w, Cut::Caller)),
+        )
+    }
+
     /// When an attempt starting at `now` must end, and why: the sooner of the
-    /// deadline and the per-attempt timeout.
+    /// room and the per-attempt timeout.
     fn cut_for(&self, now: Instant) -> Option<(Instant, Cut)> {
-        let by_deadline = self.deadline.map(|d| (d, Cut::Deadline));
         let by_attempt = self
             .attempt_timeout
             .and_then(|t| Some((now.checked_add(t)?, Cut::AttemptTimeout(t))));
-        match (by_deadline, by_attempt) {
-            (Some(d), Some(a)) => Some(if a.0 < d.0 { a } else { d }),
-            (d, a) => d.or(a),
-        }
+        sooner(self.room(), by_attempt)
     }
 
     /// The cut for an attempt starting now. The clock is read only when a
     /// limit applies.
     #[inline]
     fn cut_from_now(&self) -> Option<(Instant, Cut)> {
-        if self.deadline.is_none() && self.attempt_timeout.is_none() {
+        if self.deadline.is_none() && self.attempt_timeout.is_none() && self.caller_waits.is_none()
+        {
             return None;
         }
         self.cut_for(Instant::now())
+    }
+}
+
+/// When a limit ends, and which limit it is.
+type End = Option<(Instant, Cut)>;
+
+/// The sooner of two limits; the first on a tie.
+fn sooner(a: Option<(Instant, Cut)>, b: Option<(Instant, Cut)>) -> Option<(Instant, Cut)> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
+        (a, b) => a.or(b),
     }
 }
 
@@ -181,6 +202,9 @@ pub(crate) enum Cut {
     Deadline,
     /// The per-attempt timeout.
     AttemptTimeout(Duration),
+    /// The end of the caller's own attempt, which a retry layer above said
+    /// in `x-attempt-timeout`: its caller no longer waits for the answer.
+    Caller,
     /// A limit below the layer (a Channel's `Endpoint::timeout`, a tower
     /// `Timeout`) ran out before any of the layer's own.
     Below,
@@ -191,6 +215,7 @@ impl Cut {
         match self {
             Cut::Deadline => "call deadline exceeded".to_owned(),
             Cut::AttemptTimeout(t) => format!("attempt timed out after {t:?}"),
+            Cut::Caller => "the caller's attempt timed out".to_owned(),
             Cut::Below => "attempt timed out below the retry layer".to_owned(),
         }
     }
@@ -285,7 +310,7 @@ where
         trace: Trace<M>,
     ) -> Self {
         let policy = shared.policies.get(&chosen);
-        let drainable = limits.attempt_timeout.is_some();
+        let drainable = limits.attempt_timeout.is_some() || limits.caller_waits.is_some();
         Self {
             inner: None,
             into_box,
@@ -405,7 +430,8 @@ where
             && self.ready
             && !self.hedge
             && !self.drainable
-            && self.limits.attempt_timeout.is_none();
+            && self.limits.attempt_timeout.is_none()
+            && self.limits.caller_waits.is_none();
         if !plain {
             return self.attempt(Some(readied), Request::from_parts(head, body));
         }
@@ -500,7 +526,7 @@ where
                 let failure = Failure::Cut { why, sent: false };
                 return AttemptFuture::failed(failure, self.into_box);
             }
-            set_timeout(req.headers_mut(), deadline, now);
+            say_time(req.headers_mut(), deadline, (at, why), now);
         }
         let traced = self.trace.attempt();
         if let Some(drain) = drain.as_mut() {
@@ -543,6 +569,7 @@ where
                 drain,
                 retry: retry.then(|| Arc::clone(&self.shared)),
                 min_attempt_budget: self.shared.policies.get(&self.policy).min_attempt_budget,
+                room: self.limits.room(),
                 trace: self.trace.clone(),
             }),
         };
@@ -638,6 +665,8 @@ struct Waiting<S, R, F, Bu, M: Metrics> {
     retry: Option<Arc<Local<Bu, M>>>,
     /// The least time worth sending a retry with.
     min_attempt_budget: Duration,
+    /// The end of the call's room (see [`Limits::room`]).
+    room: Option<(Instant, Cut)>,
     /// The call's metrics, to start this attempt's when it is sent.
     trace: Trace<M>,
 }
@@ -720,13 +749,34 @@ fn sent<W, F, H>(future: F, drain: DrainWith<F>) -> State<W, F, H> {
     }
 }
 
-/// Sends the call's deadline to the server as `grpc-timeout`.
+/// Tells the server of an attempt sent at `now` and cut at `cut` its time:
+/// the call's deadline as `grpc-timeout`, and, for an attempt cut sooner (by
+/// its own timeout, or by its caller's), that end as `x-attempt-timeout`.
 ///
-/// The deadline, not an attempt's own limit: tonic's Channel enforces the
-/// header it sends by resetting the stream when it runs out, at the moment
-/// the server answers for the same limit, and that answer would cross the
-/// reset. The layer cuts an attempt at its own limit and drains it, so the
-/// stream ends by the server's answer (or at the deadline).
+/// `grpc-timeout` says the deadline, not the attempt's own limit: tonic's
+/// Channel enforces the header it sends by resetting the stream when it
+/// runs out, at the moment the server answers for the same limit, and that
+/// answer would cross the reset. The layer cuts an attempt at its own limit
+/// and drains it, so the stream ends by the server's answer (or at the
+/// deadline). `x-attempt-timeout` is only told: a server may stop work its
+/// caller no longer waits for, and a retry layer in it fits its retries
+/// before that end (see
+/// [`RetryPolicy::with_attempt_timeout`](crate::RetryPolicy::with_attempt_timeout)).
+#[inline]
+fn say_time(
+    headers: &mut HeaderMap,
+    deadline: Option<Instant>,
+    (at, why): (Instant, Cut),
+    now: Instant,
+) {
+    set_timeout(headers, deadline, now);
+    if let Cut::AttemptTimeout(_) | Cut::Caller = why {
+        let left = at.saturating_duration_since(now);
+        headers.insert(ATTEMPT_TIMEOUT, format_grpc_timeout(left));
+    }
+}
+
+/// Sends the call's deadline to the server as `grpc-timeout`.
 fn set_timeout(headers: &mut HeaderMap, deadline: Option<Instant>, now: Instant) {
     if let Some(deadline) = deadline {
         let left = deadline.saturating_duration_since(now);
@@ -868,6 +918,7 @@ where
                         drain,
                         retry,
                         min_attempt_budget,
+                        room,
                         trace,
                     } = &mut **waiting;
                     let failure = match service.poll_ready(cx) {
@@ -875,7 +926,7 @@ where
                             let Some(mut req) = request.take() else {
                                 panic!("an attempt was polled after it was sent");
                             };
-                            let limits = (*this.cut, *this.deadline, *min_attempt_budget);
+                            let limits = (*this.cut, *this.deadline, *room, *min_attempt_budget);
                             match send(&mut req, limits, retry) {
                                 Ok(()) => {
                                     if <Trace<M> as CallRecord>::ON
@@ -950,7 +1001,7 @@ where
         // server was sent: drained, not reset. Cut by the deadline, it is
         // dropped, which resets its stream (tonic's Channel would reset it
         // there anyway).
-        if let Cut::AttemptTimeout(_) = why {
+        if let Cut::AttemptTimeout(_) | Cut::Caller = why {
             drain_sent(this.state.as_mut().project(), *this.deadline);
         }
         this.traced.end(tonic::Code::DeadlineExceeded);
@@ -976,7 +1027,7 @@ fn drain_sent<W, F, H>(state: StateProj<'_, W, F, H>, deadline: Option<Instant>)
 /// retry is counted.
 fn send<B, Bu: Budget, M: Metrics>(
     req: &mut Request<ReplayBody<B>>,
-    (cut, deadline, min_attempt_budget): (Option<(Instant, Cut)>, Option<Instant>, Duration),
+    (cut, deadline, room, min_attempt_budget): (End, Option<Instant>, End, Duration),
     retry: &Option<Arc<Local<Bu, M>>>,
 ) -> Result<(), Failure> {
     if let Some((at, why)) = cut {
@@ -986,15 +1037,12 @@ fn send<B, Bu: Budget, M: Metrics>(
         }
         // Waiting for readiness may have used up the call's time: a retry
         // with less than the minimum attempt budget left cannot succeed.
-        if let (Some(_), Some(deadline)) = (retry, deadline)
-            && deadline.saturating_duration_since(now) <= min_attempt_budget
+        if let (Some(_), Some((end, why))) = (retry, room)
+            && end.saturating_duration_since(now) <= min_attempt_budget
         {
-            return Err(Failure::Cut {
-                why: Cut::Deadline,
-                sent: false,
-            });
+            return Err(Failure::Cut { why, sent: false });
         }
-        set_timeout(req.headers_mut(), deadline, now);
+        say_time(req.headers_mut(), deadline, (at, why), now);
     }
     if let Some(shared) = retry {
         // The copy may have been dropped since the retry was decided: the

@@ -25,7 +25,7 @@ use tokio::time::{Instant, Sleep};
 use tonic::Code;
 use tower::retry::Policy;
 
-use crate::attempt::{Cut, Failure};
+use crate::attempt::{Cut, Failure, Limits};
 use crate::body::{Credit, ResponseBody};
 use crate::classify::{
     Verdict, classify_error, classify_response, classify_timeout, describe, is_refused_stream,
@@ -54,7 +54,9 @@ pub(crate) struct CallRetry<Bu, M = NoMetrics> {
 
 #[derive(Clone, Debug)]
 struct CallState {
-    deadline: Option<Instant>,
+    /// The end of the room its attempts and waits fit in: the deadline, or
+    /// the caller's own attempt's end, if sooner (see `Limits::room`).
+    room: Option<(Instant, Cut)>,
     /// Attempts made so far, the current one included, sent or not.
     made: u32,
     /// Attempts that reached the inner service.
@@ -133,12 +135,12 @@ impl<Bu, M> Clone for CallRetry<Bu, M> {
 }
 
 impl<Bu, M> CallRetry<Bu, M> {
-    /// The policy of a call with `deadline`, whose caller already marked
+    /// The policy of a call under `limits`, whose caller already marked
     /// `tried` as tried.
     pub(crate) fn new(
         shared: Arc<Local<Bu, M>>,
         policy: PolicyRef,
-        deadline: Option<Instant>,
+        limits: Limits,
         tried: AlreadyTried,
         hedged: bool,
     ) -> Self {
@@ -147,7 +149,7 @@ impl<Bu, M> CallRetry<Bu, M> {
             policy,
             hedged,
             state: CallState {
-                deadline,
+                room: limits.room(),
                 made: 1,
                 sent: 0,
                 backoff_step: 0,
@@ -374,8 +376,13 @@ struct Outcome<'a> {
 enum Decision {
     /// Hand the outcome to the caller.
     Done(&'static str),
-    /// Retryable, but the deadline has no room for `delay` and another attempt.
-    NoTime { left: Duration, delay: Duration },
+    /// Retryable, but the room has none for `delay` and another attempt;
+    /// `caller`: its end is the caller's attempt's, not the deadline.
+    NoTime {
+        left: Duration,
+        delay: Duration,
+        caller: bool,
+    },
     /// Retryable, but the budget has no token.
     NoBudget { delay: Duration },
     /// Retryable, but gRPC's throttling refuses retries for now: the caller
@@ -407,11 +414,16 @@ impl Decision {
 }
 
 impl CallState {
-    /// Time left before the deadline, if the call has one. The clock is read
+    /// Time left in the call's room, if it has an end. The clock is read
     /// only then.
     fn remaining(&self) -> Option<Duration> {
-        self.deadline
-            .map(|d| d.saturating_duration_since(Instant::now()))
+        self.room
+            .map(|(end, _)| end.saturating_duration_since(Instant::now()))
+    }
+
+    /// Whether the room ends when the caller's attempt does.
+    fn callers_room(&self) -> bool {
+        matches!(self.room, Some((_, Cut::Caller)))
     }
 
     /// Classify, then attempts, then deadline, then budget: what follows an
@@ -442,6 +454,7 @@ impl CallState {
             return Decision::NoTime {
                 left: remaining.unwrap_or_default(),
                 delay: Duration::ZERO,
+                caller: self.callers_room(),
             };
         }
         // NOTE: a success never gets here (see `after`).
@@ -493,7 +506,11 @@ impl CallState {
                 // service below ran out, and there is no time for another.
                 return Decision::Done("no time left to wait for the service");
             }
-            return Decision::NoTime { left, delay };
+            return Decision::NoTime {
+                left,
+                delay,
+                caller: self.callers_room(),
+            };
         }
         // While nothing has been sent, the next attempt is no retry and
         // costs no token. Otherwise the token is taken when the retry is
@@ -832,7 +849,9 @@ where
         // An attempt cut before it was sent got no answer; one the deadline
         // cut so is a retry (or a first attempt) that found no time left.
         let (sent, out_of_time) = match result {
-            Err(Failure::Cut { why, sent: false }) => (false, *why == Cut::Deadline),
+            Err(Failure::Cut { why, sent: false }) => {
+                (false, matches!(why, Cut::Deadline | Cut::Caller))
+            }
             _ => (true, false),
         };
         if sent {
@@ -900,12 +919,12 @@ where
         let name = code_name(verdict.code());
         // Retry at one layer: a call given up on after retrying, or refused a
         // retry by the budget or the deadline, tells the layers above not to
-        // retry it again.
+        // retry it again. Not one that found no time before its caller's
+        // attempt ends, unless it retried: a retry then is the caller's.
         let marked = policy.retry_at_one_layer
             && match decision {
-                Decision::NoTime { .. } | Decision::NoBudget { .. } | Decision::Throttled => {
-                    state.sent > 0
-                }
+                Decision::NoTime { caller, .. } => state.sent > 0 && (!caller || state.retried),
+                Decision::NoBudget { .. } | Decision::Throttled => state.sent > 0,
                 Decision::Done(_) => matches!(verdict, Verdict::Retryable { .. }) && state.retried,
                 Decision::Retry { .. } => false,
             };
@@ -939,13 +958,18 @@ where
                 self.shared.record(Event::RefusedByBudget);
                 finish(result, state, verdict.code());
             }
-            Decision::NoTime { left, .. } => {
+            Decision::NoTime { left, caller, .. } => {
                 self.shared.record(Event::RefusedByDeadline);
                 let ended_with = ended_with(state);
-                let message = if left.is_zero() {
-                    format!("call deadline exceeded; {ended_with}")
-                } else {
-                    format!("no time left for another attempt: {left:?} left, {ended_with}")
+                let message = match (left.is_zero(), caller) {
+                    (true, false) => format!("call deadline exceeded; {ended_with}"),
+                    (true, true) => format!("the caller's attempt timed out; {ended_with}"),
+                    (false, false) => {
+                        format!("no time left for another attempt: {left:?} left, {ended_with}")
+                    }
+                    (false, true) => format!(
+                        "no time left for another attempt before the caller's attempt ends: {left:?} left, {ended_with}"
+                    ),
                 };
                 *result = Ok(status_response(Code::DeadlineExceeded, message));
             }

@@ -289,8 +289,9 @@ pub use error::ConfigError;
 pub use hedge::HedgePolicy;
 pub use layer::RetryLayer;
 pub use marks::{
-    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID, MAX_INSTANCE_ID_LEN,
-    MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance, RetryMarkExt,
+    ALREADY_TRIED, ATTEMPT_TIMEOUT, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID,
+    MAX_INSTANCE_ID_LEN, MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance, RetryMarkExt,
+    forward_deadline,
 };
 pub use methods::{CallPolicy, MethodPolicies};
 pub use metrics::RetryMetrics;

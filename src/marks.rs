@@ -9,6 +9,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
 use crate::classify::{Pushback, pushback_value};
+use crate::deadline::parse_grpc_timeout;
 use crate::status::RETRY_PUSHBACK;
 
 /// The request header carrying the call's idempotency key; a failed call's
@@ -23,8 +24,49 @@ pub const PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous
 /// earlier attempts of this call. One the caller set is not trusted by
 /// default (see [`AlreadyTried`]).
 pub const ALREADY_TRIED: HeaderName = HeaderName::from_static("x-already-tried");
+/// The request header saying, in `grpc-timeout`'s format, when the caller
+/// stops waiting for this attempt, where that is before the call's deadline
+/// (see [`RetryPolicy::with_attempt_timeout`](crate::RetryPolicy::with_attempt_timeout)).
+/// A retry layer below fits its own retries in that time;
+/// [`forward_deadline`](crate::forward_deadline) passes it on through a
+/// handler.
+pub const ATTEMPT_TIMEOUT: HeaderName = HeaderName::from_static("x-attempt-timeout");
 /// The default response header from which an answering instance's id is read.
 pub const INSTANCE_ID: HeaderName = HeaderName::from_static("x-instance-id");
+
+/// Passes the time a served call has on to a call its handler makes for it:
+/// the deadline its caller sent (`grpc-timeout`) and, if its caller's retry
+/// layer said one, when that caller stops waiting for this attempt
+/// ([`ATTEMPT_TIMEOUT`]). A retry layer on the onward call then fits its
+/// retries in that time, and leaves a retry after it to the caller, so that
+/// stacked services with attempt timeouts retry at one layer.
+///
+/// A value not in `grpc-timeout`'s format is not passed on. The time the
+/// handler spent before the onward call is not taken off; call this as the
+/// handler starts, or set a shorter timeout on the onward call.
+///
+/// ```
+/// use tonic::Request;
+///
+/// // What a handler is served (tonic puts the caller's headers in its
+/// // metadata), and the request it makes for it.
+/// let mut served = Request::new(());
+/// served.metadata_mut().insert("grpc-timeout", "500m".parse().unwrap());
+/// served.metadata_mut().insert("x-attempt-timeout", "150m".parse().unwrap());
+/// let mut onward = Request::new(());
+/// tonic_retry::forward_deadline(&served, &mut onward);
+/// assert_eq!(onward.metadata().get("grpc-timeout").unwrap(), "500m");
+/// assert_eq!(onward.metadata().get("x-attempt-timeout").unwrap(), "150m");
+/// ```
+pub fn forward_deadline<T, U>(served: &tonic::Request<T>, onward: &mut tonic::Request<U>) {
+    for name in ["grpc-timeout", "x-attempt-timeout"] {
+        if let Some(value) = served.metadata().get(name)
+            && parse_grpc_timeout(value.as_ref()).is_some()
+        {
+            onward.metadata_mut().insert(name, value.clone());
+        }
+    }
+}
 
 /// A fresh idempotency key: 128 random bits as 32 lowercase hex digits.
 ///

@@ -393,16 +393,25 @@ impl RetryPolicy {
     /// instance needs longer than `timeout`, every attempt times out and the
     /// call fails with `DEADLINE_EXCEEDED` after using its attempts.
     ///
-    /// The limit is the client's own: the server is sent the call's deadline
-    /// as `grpc-timeout` (none, with no deadline), and an attempt the limit
-    /// cuts is not reset but read to its end in a task of its own, bounded
-    /// by that deadline (else 10 s) and 64 KiB of body. A reset would cross
-    /// the server's answer already on its way, and under load h2's limits on
-    /// such frames (50 reset streams remembered for a second, then 1,024
-    /// frames on forgotten ones) close the whole connection with
-    /// `too_many_internal_resets`. The same would happen if the server were
-    /// sent the attempt's limit: tonic's Channel resets the stream when the
-    /// `grpc-timeout` it sent runs out, at the moment the server answers.
+    /// The server is told when the attempt ends: its `grpc-timeout` says the
+    /// call's deadline (none, with no deadline) and its `x-attempt-timeout`
+    /// ([`ATTEMPT_TIMEOUT`](crate::ATTEMPT_TIMEOUT)) the attempt's own end,
+    /// where that is sooner. A server may stop work nobody waits for; a retry
+    /// layer in it (its handler passing both on with
+    /// [`forward_deadline`](crate::forward_deadline)) fits its own retries
+    /// and hedges before that end, cuts its attempts there, says it on, and
+    /// hands a give-up there up unmarked unless it retried: stacked services
+    /// with attempt timeouts retry at one layer, the one with time for it.
+    ///
+    /// `grpc-timeout` says the deadline, not the attempt's limit: tonic's
+    /// Channel resets the stream when the `grpc-timeout` it sent runs out, at
+    /// the moment the server answers. And an attempt the limit cuts is not
+    /// reset but read to its end in a task of its own, bounded by the
+    /// deadline (else 10 s) and 64 KiB of body. A reset would cross the
+    /// server's answer already on its way, and under load h2's limits on such
+    /// frames (50 reset streams remembered for a second, then 1,024 frames on
+    /// forgotten ones) close the whole connection with
+    /// `too_many_internal_resets`.
     ///
     /// The resets that remain (a drain past its bound, a call the caller
     /// drops, a deadline) are counted only past what h2 remembers. Raise that

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::budget::Budget;
 use bytes::Bytes;
 use http::request::Parts;
-use http::{Request, Response};
+use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
 use tower::BoxError;
@@ -20,7 +20,8 @@ use crate::deadline::{GRPC_TIMEOUT, parse_grpc_timeout};
 use crate::drain::{self, Drainer};
 use crate::future::ResponseFuture;
 use crate::marks::{
-    ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, new_idempotency_key,
+    ALREADY_TRIED, ATTEMPT_TIMEOUT, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS,
+    new_idempotency_key,
 };
 use crate::methods::{CallPolicy, MethodPolicies};
 use crate::metrics::RetryMetrics;
@@ -250,6 +251,7 @@ where
         let mut key = None;
         let mut previous_attempts = false;
         let mut already_tried = false;
+        let mut callers_attempt = None;
         for (name, value) in &parts.headers {
             if name == GRPC_TIMEOUT {
                 timeout = timeout.or(Some(value));
@@ -260,11 +262,13 @@ where
                 previous_attempts = true;
             } else if name == ALREADY_TRIED {
                 already_tried = true;
+            } else if name == ATTEMPT_TIMEOUT {
+                callers_attempt = Some(value);
             }
         }
 
         // One deadline for the whole call, on tokio's clock so tests can pause it.
-        let timeout = match timeout.and_then(parse_grpc_timeout) {
+        let timeout = match timeout.and_then(|value| parse_grpc_timeout(value.as_bytes())) {
             Some(callers) => Some((callers, Said::Callers)),
             None => policy
                 .total_timeout
@@ -300,6 +304,16 @@ where
                 said,
             });
         let timeout = timeout.map(|(timeout, _)| timeout);
+        // When the caller stops waiting, if a layer above said so: the
+        // call's retries fit before it, and its attempts say it on.
+        let caller_waits = callers_attempt.map(|value| caller_waits(value, started));
+        let caller_waits = match caller_waits {
+            Some(waits) => {
+                parts.headers.remove(ATTEMPT_TIMEOUT);
+                waits.filter(|waits| deadline.is_none_or(|deadline| *waits < deadline))
+            }
+            None => None,
+        };
 
         // A key the caller set is kept on every attempt; an empty one is no
         // key (unrelated calls would share one dedup slot) and is replaced.
@@ -345,6 +359,7 @@ where
         let limits = Limits {
             deadline,
             attempt_timeout: policy.attempt_timeout,
+            caller_waits,
         };
         let attempt = Attempt::new(
             ready,
@@ -358,7 +373,7 @@ where
         // retries: the hedge driver runs inside it. So a retried call's
         // future stays as small and cheap as before.
         let hedged = policy.hedge.is_some();
-        let call = CallRetry::new(Arc::clone(&self.shared), chosen, deadline, tried, hedged);
+        let call = CallRetry::new(Arc::clone(&self.shared), chosen, limits, tried, hedged);
         let cancel = attempt.cancel_on_drop();
         ResponseFuture::new(
             call,
@@ -370,6 +385,15 @@ where
             cancel,
         )
     }
+}
+
+/// When a caller whose layer said `value` in `x-attempt-timeout` stops
+/// waiting, read at `now` if the call read the clock already; `None` for a
+/// value not in `grpc-timeout`'s format.
+#[cold]
+fn caller_waits(value: &HeaderValue, now: Option<Instant>) -> Option<Instant> {
+    let left = parse_grpc_timeout(value.as_bytes())?;
+    now.unwrap_or_else(Instant::now).checked_add(left)
 }
 
 /// The already-tried mark the caller set (the extension, and the header

@@ -370,13 +370,23 @@ where
                         *this.frozen = true;
                         done.never_sent(plan);
                         *this.unsent_numbers |= 1 << done.number.min(31);
+                        // Not refused for a caller that stops waiting: a
+                        // retry then is the caller's.
                         if done.number > 1
-                            && matches!(failure, Failure::NoBudget | Failure::Cut { .. })
+                            && matches!(
+                                failure,
+                                Failure::NoBudget
+                                    | Failure::Cut {
+                                        why: Cut::Deadline | Cut::AttemptTimeout(_) | Cut::Below,
+                                        ..
+                                    }
+                            )
                         {
                             *this.refused = true;
                         }
                         if let Failure::Cut {
-                            why: Cut::Deadline, ..
+                            why: Cut::Deadline | Cut::Caller,
+                            ..
                         } = failure
                         {
                             // One refusal by the deadline a call: a server's
