@@ -619,7 +619,8 @@ where
             .unwrap_or_default();
         let deadline = self.limits.deadline;
         let shared = Arc::clone(&self.shared);
-        let hedged = HedgeFuture::new(driver, shared, chosen, req, deadline, tried);
+        let room = self.limits.room();
+        let hedged = HedgeFuture::new(driver, shared, chosen, req, room, tried);
         AttemptFuture::new(
             State::Hedged {
                 future: Box::pin(hedged),

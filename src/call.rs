@@ -920,10 +920,11 @@ where
         // Retry at one layer: a call given up on after retrying, or refused a
         // retry by the budget or the deadline, tells the layers above not to
         // retry it again. Not one that found no time before its caller's
-        // attempt ends, unless it retried: a retry then is the caller's.
+        // attempt ends, unless it sent a retry: a retry then is the caller's.
         let marked = policy.retry_at_one_layer
             && match decision {
-                Decision::NoTime { caller, .. } => state.sent > 0 && (!caller || state.retried),
+                Decision::NoTime { caller: false, .. } => state.sent > 0,
+                Decision::NoTime { caller: true, .. } => state.sent > 1,
                 Decision::NoBudget { .. } | Decision::Throttled => state.sent > 0,
                 Decision::Done(_) => matches!(verdict, Verdict::Retryable { .. }) && state.retried,
                 Decision::Retry { .. } => false,

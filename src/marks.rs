@@ -29,7 +29,9 @@ pub const ALREADY_TRIED: HeaderName = HeaderName::from_static("x-already-tried")
 /// (see [`RetryPolicy::with_attempt_timeout`](crate::RetryPolicy::with_attempt_timeout)).
 /// A retry layer below fits its own retries in that time;
 /// [`forward_deadline`](crate::forward_deadline) passes it on through a
-/// handler.
+/// handler. Taken from any caller, as `grpc-timeout` is: it can only shorten
+/// the time a call has, and one at or past the deadline, or unreadable, is
+/// removed.
 pub const ATTEMPT_TIMEOUT: HeaderName = HeaderName::from_static("x-attempt-timeout");
 /// The default response header from which an answering instance's id is read.
 pub const INSTANCE_ID: HeaderName = HeaderName::from_static("x-instance-id");

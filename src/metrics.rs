@@ -126,7 +126,9 @@ impl RetryMetrics {
         self.inner.refused_by_budget.load(Ordering::Relaxed)
     }
 
-    /// Retryable failures not retried because the call's deadline had no room.
+    /// Retryable failures not retried for lack of time: the call's deadline,
+    /// or the end of its caller's attempt (`x-attempt-timeout`), had no room
+    /// for another attempt.
     pub fn refused_by_deadline(&self) -> u64 {
         self.inner.refused_by_deadline.load(Ordering::Relaxed)
     }

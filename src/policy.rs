@@ -400,7 +400,7 @@ impl RetryPolicy {
     /// layer in it (its handler passing both on with
     /// [`forward_deadline`](crate::forward_deadline)) fits its own retries
     /// and hedges before that end, cuts its attempts there, says it on, and
-    /// hands a give-up there up unmarked unless it retried: stacked services
+    /// hands a give-up there up unmarked unless it sent a retry: stacked services
     /// with attempt timeouts retry at one layer, the one with time for it.
     ///
     /// `grpc-timeout` says the deadline, not the attempt's limit: tonic's

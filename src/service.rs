@@ -263,7 +263,7 @@ where
             } else if name == ALREADY_TRIED {
                 already_tried = true;
             } else if name == ATTEMPT_TIMEOUT {
-                callers_attempt = Some(value);
+                callers_attempt = callers_attempt.or(Some(value));
             }
         }
 

@@ -140,6 +140,8 @@ async fn a_first_attempt_cut_at_its_callers_end_is_left_to_the_caller_to_retry()
     // The caller, with time left, may retry it: not marked.
     assert_eq!(pushback(&response), None);
     assert_eq!(layer.metrics().marked(), 0);
+    // Counted as a failure not retried for lack of time.
+    assert_eq!(layer.metrics().refused_by_deadline(), 1);
     // The cut attempt is drained, not reset: its answer is still read.
     assert_eq!(layer.metrics().draining(), 1);
     send.send_response(ok());
@@ -215,6 +217,228 @@ async fn a_hedged_call_sends_no_hedge_after_its_caller_stops_waiting() {
     send.send_response(ok());
     let response = call.await.unwrap().unwrap();
     assert_eq!(code_of(&response), Code::Ok);
+}
+
+/// A retry that was decided but never sent (its service was not ready before
+/// the caller's end) is no retry: the layer sent one attempt, and the give-up
+/// for lack of time before the caller's end must be left to the caller.
+#[tokio::test(start_paused = true)]
+async fn a_retry_never_sent_before_the_callers_end_leaves_the_give_up_unmarked() {
+    let (mut svc, mut handle, layer) = setup(five_attempts(), budget());
+    let call = spawn_call(&mut svc, told("1S", "100m")).await;
+    let (_req, send, _) = next(&mut handle).await;
+    // The service below stops being ready (a reconnecting channel, a full
+    // concurrency limit) ...
+    handle.allow(0);
+    tokio::time::sleep(50 * MS).await;
+    // ... and the first attempt fails fast with time left for a retry.
+    send.send_response(status(Code::Unavailable));
+    let response = call.await.unwrap().unwrap();
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "no retry was sent"
+    );
+    assert_eq!(layer.metrics().retries(), 0, "no retry was sent");
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    // One attempt reached the server: the caller, which has time, may retry.
+    assert_eq!(
+        pushback(&response),
+        None,
+        "marked do-not-retry though the layer sent no retry: {}",
+        message_of(&response)
+    );
+}
+
+/// A hedged call's server pushback that ends after the caller stops waiting
+/// (but before the deadline) is a wait that does not fit in the call's room:
+/// the call must end now, as a retried call does, not hold on to past the
+/// caller's end.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_does_not_wait_out_a_pushback_past_its_callers_end() {
+    let hedge = HedgePolicy::new(3, 80 * MS)
+        .unwrap()
+        .with_max_extra_load(None)
+        .unwrap();
+    let layer = RetryLayer::new(hedge, budget());
+    let (inner, mut handle) = mock::pair::<Request<Body>, http::Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let start = Instant::now();
+    let call = tokio::spawn(svc.ready().await.unwrap().call(told("1S", "50m")));
+    let (_req, send, _) = next(&mut handle).await;
+    tokio::time::sleep(10 * MS).await;
+    let mut answer = status(Code::Unavailable);
+    answer
+        .headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("600"));
+    send.send_response(answer);
+    let response = call.await.unwrap().unwrap();
+    let took = start.elapsed();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert!(
+        handle.next_request().now_or_never().is_none(),
+        "no hedge was sent"
+    );
+    assert!(
+        took <= 52 * MS,
+        "the call ended {took:?} after it started, past its caller's 50 ms end"
+    );
+}
+
+/// Compare: the same call without hedging ends at once.
+#[tokio::test(start_paused = true)]
+async fn a_retried_call_does_not_wait_out_a_pushback_past_its_callers_end() {
+    let (mut svc, mut handle, _) = setup(five_attempts(), budget());
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, told("1S", "50m")).await;
+    let (_req, send, _) = next(&mut handle).await;
+    tokio::time::sleep(10 * MS).await;
+    let mut answer = status(Code::Unavailable);
+    answer
+        .headers_mut()
+        .insert("grpc-retry-pushback-ms", HeaderValue::from_static("600"));
+    send.send_response(answer);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert!(start.elapsed() <= 11 * MS, "{:?}", start.elapsed());
+}
+
+/// Several `x-attempt-timeout` values: the layer must read the one a peer
+/// (and `forward_deadline`, and the layer itself for `grpc-timeout`) reads,
+/// the first.
+#[tokio::test(start_paused = true)]
+async fn of_several_callers_ends_the_first_is_read() {
+    let (mut svc, mut handle, _) = setup(five_attempts(), budget());
+    let two = || {
+        let mut req = with_timeout(request(), "1S");
+        req.headers_mut()
+            .append("x-attempt-timeout", HeaderValue::from_static("100m"));
+        req.headers_mut()
+            .append("x-attempt-timeout", HeaderValue::from_static("5S"));
+        req
+    };
+    // What a handler passes on: the first value.
+    let served = tonic::Request::from_http(two().map(|_| ()));
+    let mut onward = tonic::Request::new(());
+    tonic_retry::forward_deadline(&served, &mut onward);
+    assert_eq!(onward.metadata().get("x-attempt-timeout").unwrap(), "100m");
+    let req = two();
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, req).await;
+    let (req, _send, _) = next(&mut handle).await;
+    let told = req
+        .headers()
+        .get("x-attempt-timeout")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(
+        told.as_deref().map(parse_timeout),
+        Some(100 * MS),
+        "said on: {told:?}"
+    );
+    assert!(start.elapsed() <= 101 * MS, "cut at {:?}", start.elapsed());
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_largest_zero_and_deadline_long_callers_ends() {
+    // Huge, no deadline: no panic, said on, answered.
+    let (mut svc, mut handle, _) = setup(five_attempts(), budget());
+    let mut req = request();
+    req.headers_mut()
+        .insert("x-attempt-timeout", HeaderValue::from_static("99999999H"));
+    let call = spawn_call(&mut svc, req).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert!(req.headers().get("x-attempt-timeout").is_some());
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+
+    // Huge, with an attempt timeout and a deadline of the same size.
+    let (mut svc, mut handle, _) = setup(
+        five_attempts().with_attempt_timeout(Duration::MAX),
+        budget(),
+    );
+    let call = spawn_call(&mut svc, told("99999999H", "99999999H")).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert!(req.headers().get("x-attempt-timeout").is_none());
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+
+    // Zero: nothing sent, DEADLINE_EXCEEDED, not marked.
+    let (mut svc, mut handle, layer) = setup(five_attempts(), budget());
+    let call = spawn_call(&mut svc, told("1S", "0m")).await;
+    let response = call.await.unwrap().unwrap();
+    assert!(handle.next_request().now_or_never().is_none());
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(pushback(&response), None);
+    assert_eq!(layer.metrics().attempts(), 0);
+
+    // Equal to the deadline: ignored.
+    let (mut svc, mut handle, _) = setup(five_attempts(), budget());
+    let call = spawn_call(&mut svc, told("1S", "1000m")).await;
+    let (req, send, _) = next(&mut handle).await;
+    assert!(req.headers().get("x-attempt-timeout").is_none());
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_cut_at_its_callers_end_without_a_deadline_drains_for_a_bounded_time() {
+    let (mut svc, mut handle, layer) = setup(five_attempts(), budget());
+    let mut req = request();
+    req.headers_mut()
+        .insert("x-attempt-timeout", HeaderValue::from_static("100m"));
+    let call = spawn_call(&mut svc, req).await;
+    // The server never answers (its handle is held to the end).
+    let (_req, _send, _) = next(&mut handle).await;
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(layer.metrics().draining(), 1);
+    // The drain of an attempt without a deadline ends after 10 s.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    settle().await;
+    assert_eq!(layer.metrics().draining(), 0);
+    assert_eq!(layer.metrics().drain_cut(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_retry_says_one_fresh_end() {
+    let policy = five_attempts().with_attempt_timeout(30 * MS);
+    let (mut svc, mut handle, _) = setup(policy, budget());
+    let start = Instant::now();
+    let call = spawn_call(&mut svc, told("1S", "200m")).await;
+    for _ in 0..4 {
+        let (req, send, at) = next(&mut handle).await;
+        let all: Vec<_> = req.headers().get_all("x-attempt-timeout").iter().collect();
+        assert_eq!(all.len(), 1);
+        let said = parse_timeout(all[0].to_str().unwrap());
+        let left = (start + 200 * MS).saturating_duration_since(at);
+        assert!(said <= left.min(30 * MS) + MS, "{said:?} vs {left:?}");
+        send.send_response(status(Code::Unavailable));
+    }
+    let (_, send, _) = next(&mut handle).await;
+    send.send_response(ok());
+    assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
+}
+
+/// A layer without an attempt timeout of its own, under a caller with one:
+/// its retries fit before the caller's end, and its cut attempt drains.
+#[tokio::test(start_paused = true)]
+async fn a_layer_without_an_attempt_timeout_retries_within_its_callers_and_drains_the_cut() {
+    let (mut svc, mut handle, layer) = setup(five_attempts(), budget());
+    let call = spawn_call(&mut svc, told("1S", "150m")).await;
+    let (_, send, _) = next(&mut handle).await;
+    tokio::time::sleep(10 * MS).await;
+    send.send_response(status(Code::Unavailable));
+    let (req, send2, _) = next(&mut handle).await;
+    assert!(req.headers().get("x-attempt-timeout").is_some());
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    // It retried: marked.
+    assert_eq!(pushback(&response).map(|v| v.as_bytes()), Some(&b"-1"[..]));
+    assert_eq!(layer.metrics().draining(), 1);
+    send2.send_response(ok());
+    settle().await;
+    assert_eq!(layer.metrics().drained(), 1);
 }
 
 #[tokio::test]

@@ -378,3 +378,26 @@ async fn a_resend_no_retry_can_follow_holds_no_copy_once_it_has_replayed_the_bod
     assert_eq!((streams, layer.metrics().transparent_retries()), (2, 1));
     assert_eq!(in_use, 0, "bytes held by a resend no retry can follow");
 }
+
+/// A stream refused just before its caller stops waiting (a layer above said
+/// so in `x-attempt-timeout`) is not sent again: a retried call and a hedged
+/// one alike end saying how the one attempt the server saw ended.
+#[tokio::test]
+async fn a_stream_refused_just_before_its_callers_end_is_not_sent_again() {
+    let hedged = RetryPolicy::from(HedgePolicy::new(2, Duration::from_secs(2)).unwrap());
+    for policy in [retrying(3), hedged] {
+        let server = RawServer::start([Step::RefuseAfter(90 * MS)]).await;
+        let (mut client, _) = self::client(&server, policy);
+        let mut req = get_book();
+        req.set_timeout(Duration::from_secs(5));
+        req.metadata_mut()
+            .insert("x-attempt-timeout", "100m".parse().unwrap());
+        let status = bounded(client.get_book(req)).await.unwrap_err();
+        assert_eq!(server.streams(), 1);
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        assert!(
+            status.message().contains("ended with UNAVAILABLE"),
+            "{status:?}"
+        );
+    }
+}

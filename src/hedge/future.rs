@@ -105,7 +105,9 @@ pin_project! {
         // No more hedges: pushback said so, the budget or the cap refused,
         // the body cannot be sent again, or the time is up.
         frozen: bool,
-        deadline: Option<Instant>,
+        // The end of the call's room: its deadline, or its caller's
+        // attempt's end, if sooner.
+        room: Option<(Instant, Cut)>,
         // Instances that failed this call.
         failed: AlreadyTried,
         last: Option<Last>,
@@ -152,7 +154,7 @@ where
         shared: Arc<Local<Bu, M>>,
         policy: PolicyRef,
         request: Request<ReplayBody<B>>,
-        deadline: Option<Instant>,
+        room: Option<(Instant, Cut)>,
         tried: AlreadyTried,
     ) -> Self {
         // Hedges read the body side by side with the attempt before them.
@@ -181,7 +183,7 @@ where
             key,
             sent: 0,
             frozen: false,
-            deadline,
+            room,
             failed: tried,
             last: None,
             unsent: None,
@@ -239,7 +241,7 @@ where
                     && is_refused_stream(&**error)
                     && let Some(template) = this.template.as_ref()
                     && template.body().whole().is_ok()
-                    && this.deadline.is_none_or(|end| {
+                    && this.room.is_none_or(|(end, _)| {
                         end.saturating_duration_since(Instant::now()) > policy.min_attempt_budget
                     })
                 {
@@ -345,9 +347,14 @@ where
                                         .template
                                         .as_ref()
                                         .is_some_and(|t| t.body().whole().is_ok());
-                                if more && this.deadline.is_some_and(|end| at >= end) {
+                                if more
+                                    && let Some((end, why)) = *this.room
+                                    && at >= end
+                                {
                                     *this.frozen = true;
-                                    *this.refused = true;
+                                    // Refused only by the deadline: see the
+                                    // unsent hedges below.
+                                    *this.refused = why == Cut::Deadline;
                                     *this.no_time = true;
                                     this.shared.record(Event::RefusedByDeadline);
                                 }
