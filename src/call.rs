@@ -54,9 +54,12 @@ pub(crate) struct CallRetry<Bu, M = NoMetrics> {
 
 #[derive(Clone, Debug)]
 struct CallState {
-    /// The end of the room its attempts and waits fit in: the deadline, or
-    /// the caller's own attempt's end, if sooner (see `Limits::room`).
-    room: Option<(Instant, Cut)>,
+    /// The end of the room its attempts and waits fit in: when the caller
+    /// stops waiting, if a layer above said so (always before the deadline),
+    /// else the deadline (see `Limits::room`).
+    end: Option<Instant>,
+    /// `end` is the caller's.
+    callers_end: bool,
     /// Attempts made so far, the current one included, sent or not.
     made: u32,
     /// Attempts that reached the inner service.
@@ -149,7 +152,8 @@ impl<Bu, M> CallRetry<Bu, M> {
             policy,
             hedged,
             state: CallState {
-                room: limits.room(),
+                end: limits.caller_waits.or(limits.deadline),
+                callers_end: limits.caller_waits.is_some(),
                 made: 1,
                 sent: 0,
                 backoff_step: 0,
@@ -417,13 +421,8 @@ impl CallState {
     /// Time left in the call's room, if it has an end. The clock is read
     /// only then.
     fn remaining(&self) -> Option<Duration> {
-        self.room
-            .map(|(end, _)| end.saturating_duration_since(Instant::now()))
-    }
-
-    /// Whether the room ends when the caller's attempt does.
-    fn callers_room(&self) -> bool {
-        matches!(self.room, Some((_, Cut::Caller)))
+        self.end
+            .map(|end| end.saturating_duration_since(Instant::now()))
     }
 
     /// Classify, then attempts, then deadline, then budget: what follows an
@@ -454,7 +453,7 @@ impl CallState {
             return Decision::NoTime {
                 left: remaining.unwrap_or_default(),
                 delay: Duration::ZERO,
-                caller: self.callers_room(),
+                caller: self.callers_end,
             };
         }
         // NOTE: a success never gets here (see `after`).
@@ -509,7 +508,7 @@ impl CallState {
             return Decision::NoTime {
                 left,
                 delay,
-                caller: self.callers_room(),
+                caller: self.callers_end,
             };
         }
         // While nothing has been sent, the next attempt is no retry and

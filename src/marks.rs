@@ -32,7 +32,9 @@ pub const ALREADY_TRIED: HeaderName = HeaderName::from_static("x-already-tried")
 /// handler. Taken from any caller, as `grpc-timeout` is: it can only shorten
 /// the time a call has, and one at or past the deadline, or unreadable, is
 /// removed.
-pub const ATTEMPT_TIMEOUT: HeaderName = HeaderName::from_static("x-attempt-timeout");
+pub const ATTEMPT_TIMEOUT: HeaderName = HeaderName::from_static(ATTEMPT_TIMEOUT_NAME);
+/// [`ATTEMPT_TIMEOUT`]'s name.
+pub(crate) const ATTEMPT_TIMEOUT_NAME: &str = "x-attempt-timeout";
 /// The default response header from which an answering instance's id is read.
 pub const INSTANCE_ID: HeaderName = HeaderName::from_static("x-instance-id");
 

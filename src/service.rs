@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::budget::Budget;
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderValue, Request, Response};
+use http::{HeaderMap, Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
 use tower::BoxError;
@@ -251,7 +251,7 @@ where
         let mut key = None;
         let mut previous_attempts = false;
         let mut already_tried = false;
-        let mut callers_attempt = None;
+        let mut callers_end = false;
         for (name, value) in &parts.headers {
             if name == GRPC_TIMEOUT {
                 timeout = timeout.or(Some(value));
@@ -263,7 +263,7 @@ where
             } else if name == ALREADY_TRIED {
                 already_tried = true;
             } else if name == ATTEMPT_TIMEOUT {
-                callers_attempt = callers_attempt.or(Some(value));
+                callers_end = true;
             }
         }
 
@@ -306,13 +306,10 @@ where
         let timeout = timeout.map(|(timeout, _)| timeout);
         // When the caller stops waiting, if a layer above said so: the
         // call's retries fit before it, and its attempts say it on.
-        let caller_waits = callers_attempt.map(|value| caller_waits(value, started));
-        let caller_waits = match caller_waits {
-            Some(waits) => {
-                parts.headers.remove(ATTEMPT_TIMEOUT);
-                waits.filter(|waits| deadline.is_none_or(|deadline| *waits < deadline))
-            }
-            None => None,
+        let caller_waits = if callers_end {
+            caller_waits(&mut parts.headers, started, deadline)
+        } else {
+            None
         };
 
         // A key the caller set is kept on every attempt; an empty one is no
@@ -387,13 +384,27 @@ where
     }
 }
 
-/// When a caller whose layer said `value` in `x-attempt-timeout` stops
-/// waiting, read at `now` if the call read the clock already; `None` for a
-/// value not in `grpc-timeout`'s format.
+/// When a caller whose layer said so in `x-attempt-timeout` (the first
+/// value) stops waiting, counted from `now` if the call read the clock
+/// already; `None` for a value not in `grpc-timeout`'s format, or not before
+/// the `deadline`. The header goes: each attempt says its own.
+// NOTE: out of line: inlined, it made `RetryService::call` large enough that
+// the compiler stopped inlining the header map's insert of the key.
 #[cold]
-fn caller_waits(value: &HeaderValue, now: Option<Instant>) -> Option<Instant> {
-    let left = parse_grpc_timeout(value.as_bytes())?;
-    now.unwrap_or_else(Instant::now).checked_add(left)
+#[inline(never)]
+fn caller_waits(
+    headers: &mut HeaderMap,
+    now: Option<Instant>,
+    deadline: Option<Instant>,
+) -> Option<Instant> {
+    let left = headers
+        .get(ATTEMPT_TIMEOUT.as_str())
+        .and_then(|value| parse_grpc_timeout(value.as_bytes()));
+    headers.remove(ATTEMPT_TIMEOUT.as_str());
+    let waits = now.unwrap_or_else(Instant::now).checked_add(left?)?;
+    deadline
+        .is_none_or(|deadline| waits < deadline)
+        .then_some(waits)
 }
 
 /// The already-tried mark the caller set (the extension, and the header
