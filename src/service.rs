@@ -398,9 +398,9 @@ fn caller_waits(
     deadline: Option<Instant>,
 ) -> Option<Instant> {
     let left = headers
-        .get(ATTEMPT_TIMEOUT.as_str())
+        .get(ATTEMPT_TIMEOUT)
         .and_then(|value| parse_grpc_timeout(value.as_bytes()));
-    headers.remove(ATTEMPT_TIMEOUT.as_str());
+    headers.remove(ATTEMPT_TIMEOUT);
     let waits = now.unwrap_or_else(Instant::now).checked_add(left?)?;
     deadline
         .is_none_or(|deadline| waits < deadline)
