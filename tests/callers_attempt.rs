@@ -38,6 +38,20 @@ fn told(deadline: &'static str, waits: &'static str) -> Request<Body> {
     req
 }
 
+/// A call through a layer hedging up to 3 attempts 80 ms apart, started on
+/// its own task.
+async fn hedged_call(req: Request<Body>) -> (Svc, Handle, tokio::task::JoinHandle<Outcome>) {
+    let hedge = HedgePolicy::new(3, 80 * MS)
+        .unwrap()
+        .with_max_extra_load(None)
+        .unwrap();
+    let layer = RetryLayer::new(hedge, budget());
+    let (inner, handle) = mock::pair::<Request<Body>, http::Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let call = tokio::spawn(svc.ready().await.unwrap().call(req));
+    (svc, handle, call)
+}
+
 /// Five attempts, 1–2 ms apart, the default 20 ms minimum attempt budget.
 fn five_attempts() -> RetryPolicy {
     RetryPolicy::new(5, MS, 2 * MS, 0.2).unwrap()
@@ -185,15 +199,8 @@ async fn a_callers_end_bounds_a_call_without_a_deadline() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hedged_call_sends_no_hedge_after_its_caller_stops_waiting() {
-    let hedge = HedgePolicy::new(3, 80 * MS)
-        .unwrap()
-        .with_max_extra_load(None)
-        .unwrap();
-    let layer = RetryLayer::new(hedge, budget());
-    let (inner, mut handle) = mock::pair::<Request<Body>, http::Response<Body>>();
-    let mut svc = layer.layer(inner);
     let start = Instant::now();
-    let call = tokio::spawn(svc.ready().await.unwrap().call(told("1S", "50m")));
+    let (_svc, mut handle, call) = hedged_call(told("1S", "50m")).await;
     let (req, _send, _) = next(&mut handle).await;
     assert!(attempt_timeout(&req).is_some_and(|t| t <= 50 * MS));
     let response = call.await.unwrap().unwrap();
@@ -207,9 +214,7 @@ async fn a_hedged_call_sends_no_hedge_after_its_caller_stops_waiting() {
     );
 
     // With time for a hedge before the caller's end, it goes.
-    let (inner, mut handle) = mock::pair::<Request<Body>, http::Response<Body>>();
-    let mut svc = layer.layer(inner);
-    let call = tokio::spawn(svc.ready().await.unwrap().call(told("1S", "200m")));
+    let (_svc, mut handle, call) = hedged_call(told("1S", "200m")).await;
     let (_, _first, at) = next(&mut handle).await;
     let (req, send, hedged_at) = next(&mut handle).await;
     assert_eq!(hedged_at - at, 80 * MS);
@@ -255,15 +260,8 @@ async fn a_retry_never_sent_before_the_callers_end_leaves_the_give_up_unmarked()
 /// caller's end.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_call_does_not_wait_out_a_pushback_past_its_callers_end() {
-    let hedge = HedgePolicy::new(3, 80 * MS)
-        .unwrap()
-        .with_max_extra_load(None)
-        .unwrap();
-    let layer = RetryLayer::new(hedge, budget());
-    let (inner, mut handle) = mock::pair::<Request<Body>, http::Response<Body>>();
-    let mut svc = layer.layer(inner);
     let start = Instant::now();
-    let call = tokio::spawn(svc.ready().await.unwrap().call(told("1S", "50m")));
+    let (_svc, mut handle, call) = hedged_call(told("1S", "50m")).await;
     let (_req, send, _) = next(&mut handle).await;
     tokio::time::sleep(10 * MS).await;
     let mut answer = status(Code::Unavailable);

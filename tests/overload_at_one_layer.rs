@@ -10,6 +10,8 @@
 //!
 //! Paused time and seeded draws: the run takes a few seconds of real time.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -89,28 +91,10 @@ fn bottom(start: Instant, seen: Arc<Seen>) -> (Hop, Vec<tokio::task::JoinHandle<
         let _ = tx.send(Job { answer });
         async move {
             answered.await.map_err(|_| BoxError::from("bottom gone"))?;
-            Ok::<_, BoxError>(ok())
+            Ok::<_, BoxError>(support::answer(tonic::Code::Ok))
         }
     });
     (BoxCloneService::new(service), workers)
-}
-
-/// A unary gRPC success: headers, one message, `OK` in the trailers.
-fn ok() -> Response<Body> {
-    let mut trailers = http::HeaderMap::new();
-    trailers.insert("grpc-status", HeaderValue::from_static("0"));
-    let frames = [
-        Ok::<_, tonic::Status>(http_body::Frame::data(bytes::Bytes::from_static(
-            b"\0\0\0\0\0",
-        ))),
-        Ok(http_body::Frame::trailers(trailers)),
-    ];
-    Response::builder()
-        .header("content-type", "application/grpc")
-        .body(Body::new(http_body_util::StreamBody::new(
-            tokio_stream::iter(frames),
-        )))
-        .unwrap()
 }
 
 /// `depth` layers over `bottom`, each with the default policy, a 150 ms
