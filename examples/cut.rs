@@ -33,8 +33,8 @@ use library::pb::library_client::LibraryClient;
 use library::pb::library_server::LibraryServer;
 use tokio_stream::StreamExt;
 use tonic::transport::{Endpoint, Server};
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
-use tonic_retry::{RetryBudget, RetryLayer, RetryMetrics, RetryPolicy};
+use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy, metrics::RetryMetrics};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::ServiceExt;
 
 const CALLS: usize = 200_000;

@@ -20,9 +20,9 @@ use opentelemetry::metrics::MeterProvider;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use tonic::transport::{Endpoint, Server};
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::otel::GrpcMetrics;
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -17,9 +17,9 @@ use library::pb::library_client::LibraryClient;
 use library::pb::{GetBookRequest, ListBooksRequest, ReserveStockRequest};
 use library::{Instance, Shelf};
 use tonic::Code;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::service_config::ServiceConfig;
 use tonic_retry::{RetryLayer, RetryPolicy};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::ServiceBuilder;
 
 const CALLS: usize = 200;
@@ -143,8 +143,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "\n  retries {}, refused by the throttle {}, throttle tokens {:.1} of {:.0}",
         m.retries(),
         m.refused_by_budget(),
-        throttle.available().unwrap_or(f64::NAN),
-        throttle.max_tokens().unwrap_or(f64::NAN),
+        throttle.available(),
+        throttle.max_tokens(),
     );
     Ok(())
 }

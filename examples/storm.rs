@@ -119,7 +119,7 @@ fn bottom(start: Instant, load: Arc<Load>) -> Hop {
 }
 
 /// One hop: a client of `next` with a retry layer paying from `budget`.
-fn hop<Bu: tonic_retry::Budget>(next: Hop, policy: RetryPolicy, budget: Bu) -> Hop {
+fn hop<Bu: tonic_retry::budgets::Budget>(next: Hop, policy: RetryPolicy, budget: Bu) -> Hop {
     let layer = RetryLayer::with_budget(policy, budget);
     BoxCloneService::new(layer.layer(next).map_response(|r| r.map(Body::new)))
 }
@@ -172,7 +172,11 @@ fn stack(depth: usize, kind: Kind, bottom: Hop) -> Hop {
         Kind::Towers(mark) => hop(
             next,
             retries(mark),
-            tonic_retry::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 10, 0.1)),
+            tonic_retry::budgets::TowerBudget::new(TpsBudget::new(
+                Duration::from_secs(10),
+                10,
+                0.1,
+            )),
         ),
     })
 }

@@ -40,8 +40,8 @@ use tokio_stream::StreamExt;
 use tonic::body::Body;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic_retry::balance::PreferUntried;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
-use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer, RetryMetrics};
+use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer, metrics::RetryMetrics};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::util::BoxCloneService;
 use tower::{BoxError, Service, ServiceExt};
 

@@ -5,7 +5,7 @@
 //! went to — from the `x-instance-id` response header, or, when the attempt got
 //! no response at all, from the [`PickedInstance`] slot the balancer fills in —
 //! and names those instances on the next attempt, in the [`AlreadyTried`]
-//! request extension and the [`x-already-tried`](crate::ALREADY_TRIED) header.
+//! request extension and the [`x-already-tried`](crate::marks::ALREADY_TRIED) header.
 //! [`PreferUntried`] is a balancer that closes that loop in process: it routes
 //! round-robin among named endpoints, sends a retry to one of the endpoints the
 //! call has not tried yet (chosen at random, so retries spread evenly), reports
@@ -93,7 +93,7 @@ impl<S> PreferUntried<S> {
     /// # Errors
     ///
     /// [`ConfigError`] if there are no endpoints, or an id is empty, longer
-    /// than [`MAX_INSTANCE_ID_LEN`](crate::MAX_INSTANCE_ID_LEN), not visible
+    /// than [`MAX_INSTANCE_ID_LEN`](crate::marks::MAX_INSTANCE_ID_LEN), not visible
     /// ASCII, contains a comma, or is repeated.
     pub fn new(endpoints: impl IntoIterator<Item = (String, S)>) -> Result<Self, ConfigError> {
         let mut names: Vec<Named> = Vec::new();
@@ -112,7 +112,7 @@ impl<S> PreferUntried<S> {
                     "endpoints",
                     format!(
                         "instance id {id:?} must be 1 to {} visible ASCII characters without commas",
-                        crate::MAX_INSTANCE_ID_LEN
+                        crate::marks::MAX_INSTANCE_ID_LEN
                     ),
                 ));
             }
@@ -593,7 +593,7 @@ mod tests {
             "",
             " ",
             "x y",
-            &"z".repeat(crate::MAX_INSTANCE_ID_LEN + 1),
+            &"z".repeat(crate::marks::MAX_INSTANCE_ID_LEN + 1),
         ] {
             let e = PreferUntried::new([(bad.to_owned(), endpoint("a", log.clone(), false))])
                 .unwrap_err();
@@ -606,7 +606,7 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("twice"), "{e}");
         // More endpoints than an already-tried mark names: a repeat is still found.
-        let many = (0..=crate::MAX_TRIED_INSTANCES)
+        let many = (0..=crate::marks::MAX_TRIED_INSTANCES)
             .map(|i| format!("e{i}"))
             .chain(["e8".to_owned()])
             .map(|id| (id, endpoint("a", log.clone(), false)));

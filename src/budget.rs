@@ -203,7 +203,7 @@ pub trait Budget: Send + Sync + 'static {
 ///
 /// ```
 /// use std::time::Duration;
-/// use tonic_retry::{RetryLayer, RetryPolicy, TowerBudget};
+/// use tonic_retry::{RetryLayer, RetryPolicy, budgets::TowerBudget};
 /// use tower::retry::budget::TpsBudget;
 ///
 /// let tps = TpsBudget::new(Duration::from_secs(10), 10, 0.2);

@@ -30,6 +30,40 @@ const UNITS: [(u8, u64); 6] = [
     (b'H', HOUR_NANOS),
 ];
 
+/// Passes the time a served call has on to a call its handler makes for it:
+/// the deadline its caller sent (`grpc-timeout`) and, if its caller's retry
+/// layer said one, when that caller stops waiting for this attempt
+/// ([`ATTEMPT_TIMEOUT`](crate::marks::ATTEMPT_TIMEOUT)). A retry layer on the onward call then fits its
+/// retries in that time, and leaves a retry after it to the caller, so that
+/// stacked services with attempt timeouts retry at one layer.
+///
+/// A value not in `grpc-timeout`'s format is not passed on. The time the
+/// handler spent before the onward call is not taken off; call this as the
+/// handler starts, or set a shorter timeout on the onward call.
+///
+/// ```
+/// use tonic::Request;
+///
+/// // What a handler is served (tonic puts the caller's headers in its
+/// // metadata), and the request it makes for it.
+/// let mut served = Request::new(());
+/// served.metadata_mut().insert("grpc-timeout", "500m".parse().unwrap());
+/// served.metadata_mut().insert("x-attempt-timeout", "150m".parse().unwrap());
+/// let mut onward = Request::new(());
+/// tonic_retry::forward_deadline(&served, &mut onward);
+/// assert_eq!(onward.metadata().get("grpc-timeout").unwrap(), "500m");
+/// assert_eq!(onward.metadata().get("x-attempt-timeout").unwrap(), "150m");
+/// ```
+pub fn forward_deadline<T, U>(served: &tonic::Request<T>, onward: &mut tonic::Request<U>) {
+    for name in ["grpc-timeout", "x-attempt-timeout"] {
+        if let Some(value) = served.metadata().get(name)
+            && parse_grpc_timeout(value.as_ref()).is_some()
+        {
+            onward.metadata_mut().insert(name, value.clone());
+        }
+    }
+}
+
 /// A timer for a limit at `at`.
 ///
 /// tokio fires it on the first millisecond tick at or after `at`, so the limit

@@ -13,7 +13,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use tonic_retry::fault::{Fault, FaultLayer, Rule};
+//! use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 //!
 //! # fn main() -> Result<(), tonic_retry::ConfigError> {
 //! let faults = FaultLayer::new("instance-a")?

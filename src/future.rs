@@ -78,7 +78,13 @@ pin_project! {
     // NOTE: the bounds are those the type of `step` needs (tower's retry
     // future names its service's future); none is on `S::Error`, so a call
     // can be spawned whatever the inner service's error type.
-    pub struct ResponseFuture<S, B, RB, Bu = RetryBudget, M = NoMetrics>
+    pub struct ResponseFuture<
+        S,
+        Bu = RetryBudget,
+        B = tonic::body::Body,
+        M = NoMetrics,
+        RB = tonic::body::Body,
+    >
     where
         S: Service<Request<B>, Response = Response<RB>>,
         S: Clone,
@@ -99,7 +105,7 @@ pin_project! {
     }
 }
 
-impl<S, B, RB, Bu, M> ResponseFuture<S, B, RB, Bu, M>
+impl<S, B, RB, Bu, M> ResponseFuture<S, Bu, B, M, RB>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
@@ -142,7 +148,7 @@ where
     }
 }
 
-impl<S, B, RB, Bu, M> Future for ResponseFuture<S, B, RB, Bu, M>
+impl<S, B, RB, Bu, M> Future for ResponseFuture<S, Bu, B, M, RB>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
@@ -214,7 +220,7 @@ fn finish<RB, M: Metrics>(
     response
 }
 
-impl<S, B, RB, Bu, M> std::fmt::Debug for ResponseFuture<S, B, RB, Bu, M>
+impl<S, B, RB, Bu, M> std::fmt::Debug for ResponseFuture<S, Bu, B, M, RB>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,

@@ -21,9 +21,9 @@ use crate::trace::{Metrics, NoMetrics};
 ///
 /// The budget is a [`RetryBudget`] unless the layer is made with
 /// [`with_budget`](RetryLayer::with_budget), which takes any
-/// [`Budget`](crate::Budget): gRPC's [`RetryThrottle`](crate::RetryThrottle),
+/// [`Budget`](crate::budgets::Budget): gRPC's [`RetryThrottle`](crate::budgets::RetryThrottle),
 /// or a `tower` budget (tower's `TpsBudget`, say) in a
-/// [`TowerBudget`](crate::TowerBudget).
+/// [`TowerBudget`](crate::budgets::TowerBudget).
 ///
 /// `B` is the type of the request bodies the layer's services take: tonic's
 /// [`Body`](tonic::body::Body), what tonic's `Channel` and generated clients
@@ -51,9 +51,9 @@ impl RetryLayer {
 
 impl<Bu> RetryLayer<Bu> {
     /// A layer paying for retries from `budget`: a [`RetryBudget`], a
-    /// [`RetryThrottle`](crate::RetryThrottle) (gRPC's retry throttling), any
-    /// `tower` retry budget wrapped in a [`TowerBudget`](crate::TowerBudget),
-    /// or a [`Budget`](crate::Budget) of your own.
+    /// [`RetryThrottle`](crate::budgets::RetryThrottle) (gRPC's retry throttling), any
+    /// `tower` retry budget wrapped in a [`TowerBudget`](crate::budgets::TowerBudget),
+    /// or a [`Budget`](crate::budgets::Budget) of your own.
     ///
     /// The layer deposits on each successful call (one that ends with `OK`:
     /// for a committed response, when its trailers say so) and withdraws once
@@ -63,7 +63,7 @@ impl<Bu> RetryLayer<Bu> {
     ///
     /// ```compile_fail
     /// use std::cell::Cell;
-    /// use tonic_retry::{RetryLayer, RetryPolicy, TowerBudget};
+    /// use tonic_retry::{RetryLayer, RetryPolicy, budgets::TowerBudget};
     ///
     /// struct Local(Cell<u32>);
     /// impl tower::retry::budget::Budget for Local {
@@ -217,7 +217,7 @@ impl<Bu, B> RetryLayer<Bu, B> {
     ///
     /// ```
     /// use opentelemetry::metrics::MeterProvider;
-    /// use tonic_retry::otel::{GrpcMetrics, Recorder};
+    /// use tonic_retry::{otel::GrpcMetrics, otel::Recorder};
     /// use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
     ///
     /// fn layer(

@@ -32,12 +32,12 @@
 //!   server can deduplicate a write whose response was lost.
 //! * **Marks for the load balancer**: attempt *n + 1* carries
 //!   `grpc-previous-rpc-attempts: n` and names the instances that already
-//!   failed this call (the [`x-already-tried`](ALREADY_TRIED) header and the
-//!   [`AlreadyTried`] request extension), so a balancer can send the retry
+//!   failed this call (the [`x-already-tried`](marks::ALREADY_TRIED) header and the
+//!   [`AlreadyTried`](marks::AlreadyTried) request extension), so a balancer can send the retry
 //!   elsewhere. A balancer reports each attempt's instance through the
-//!   [`PickedInstance`] request extension, so attempts that got no response
+//!   [`PickedInstance`](marks::PickedInstance) request extension, so attempts that got no response
 //!   name theirs too.
-//! * **A replayable body** ([`ReplayBody`]): the first attempt streams as the
+//! * **A replayable body** ([`ReplayBody`](replay::ReplayBody)): the first attempt streams as the
 //!   caller writes, while a zero-copy copy is kept (1 MiB by default, and 16
 //!   MiB across the layer's calls in flight) for retries. A bigger body is
 //!   sent whole and not retried; streaming calls
@@ -79,11 +79,11 @@
 //! # What the answer tells the caller
 //!
 //! A call answered by a later attempt says how many came before it:
-//! [`grpc-previous-rpc-attempts`](PREVIOUS_ATTEMPTS) on the response's
+//! [`grpc-previous-rpc-attempts`](marks::PREVIOUS_ATTEMPTS) on the response's
 //! metadata, or its status's (gRPC A6 allows it), for retries and hedges
 //! alike; a call answered by its first attempt gets nothing added. A failed
 //! call hands back the idempotency key its attempts carried
-//! ([`x-idempotency-key`](IDEMPOTENCY_KEY), on its status's metadata), so
+//! ([`x-idempotency-key`](marks::IDEMPOTENCY_KEY), on its status's metadata), so
 //! that its caller can send a write again later under the same key, and a
 //! server that applied it once applies it once. (A failure a server sends
 //! in the trailers of an answer that had begun is handed over as the server
@@ -93,7 +93,7 @@
 //!
 //! ```
 //! use tonic::body::Body;
-//! use tonic_retry::{IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS, RetryBudget, RetryLayer, RetryPolicy};
+//! use tonic_retry::{marks::IDEMPOTENCY_KEY, marks::PREVIOUS_ATTEMPTS, RetryBudget, RetryLayer, RetryPolicy};
 //! use tower::{BoxError, Layer, ServiceExt};
 //!
 //! # #[tokio::main]
@@ -205,7 +205,7 @@
 //!   gives up on after retrying (or that its budget or the deadline refused
 //!   to retry) goes up marked `grpc-retry-pushback-ms: -1`, gRPC A6's "do not
 //!   retry", which every A6 client honours — 3 calls at the bottom instead of
-//!   27 ([`RetryPolicy::with_retry_at_one_layer`], [`RetryMarkExt`]). The
+//!   27 ([`RetryPolicy::with_retry_at_one_layer`], [`RetryMarkExt`](marks::RetryMarkExt)). The
 //!   budget keeps a stack of retrying layers near `1 + deposit` per layer once
 //!   the saved balance is spent.
 //! * The budget is per process by design: a cluster-wide exact quota would
@@ -219,15 +219,15 @@
 //!
 //! * [`HedgePolicy`]: hedging, for slowness rather than failure (gRPC A6's
 //!   `hedgingPolicy`): another copy of a slow attempt goes to another
-//!   instance, and the first good answer wins ([`hedge`] explains).
+//!   instance, and the first good answer wins (its docs explain).
 //!   Usable wherever a [`RetryPolicy`] is.
 //! * [`balance::PreferUntried`]: an in-process balancer that honours the
 //!   already-tried mark, so retries land on another instance.
 //! * `fault` (cargo feature `fault`): a server-side layer injecting gRPC
 //!   failures, delays, pushback and lost responses by rule, to rehearse retry
 //!   settings against real servers.
-//! * [`RetryLayer::with_budget`]: pay for retries from any [`Budget`]:
-//!   [`RetryThrottle`] is gRPC's own retry throttling, and [`TowerBudget`]
+//! * [`RetryLayer::with_budget`]: pay for retries from any [`Budget`](budgets::Budget):
+//!   [`RetryThrottle`](budgets::RetryThrottle) is gRPC's own retry throttling, and [`TowerBudget`](budgets::TowerBudget)
 //!   takes any `tower` retry budget (tower's `TpsBudget`, say).
 //! * [`MethodPolicies`]: a policy per gRPC method (method, else service, else
 //!   default), and [`CallPolicy`], one call's own (no retries, or a policy of
@@ -257,6 +257,26 @@ mod attempt;
 pub mod balance;
 mod body;
 mod budget;
+pub mod budgets {
+    //! Budgets other than [`RetryBudget`](crate::RetryBudget), the layer's
+    //! default, and the trait every budget implements: what pays for retries
+    //! and hedges, shared by every call through one layer.
+    //!
+    //! * [`RetryThrottle`]: gRPC's `retryThrottling` (gRFC A6), a token
+    //!   bucket that stops retries once failures pass half of it, as a
+    //!   service config's `retryThrottling` asks.
+    //! * [`TowerBudget`]: any of tower's `retry::budget::Budget`s, such as
+    //!   `TpsBudget`.
+    //! * [`Budget`]: the trait, to bring one's own.
+
+    pub use crate::budget::{Budget, TowerBudget};
+    pub use crate::throttle::RetryThrottle;
+
+    /// The service a layer paying with [`RetryThrottle`] makes: a throttled
+    /// client over a tonic `Channel` is a `LibraryClient<Throttled<Channel>>`.
+    pub type Throttled<S, B = tonic::body::Body, M = crate::metrics::NoMetrics> =
+        crate::RetryService<S, RetryThrottle, B, M>;
+}
 mod call;
 mod classify;
 mod deadline;
@@ -265,11 +285,11 @@ mod error;
 #[cfg(feature = "fault")]
 pub mod fault;
 pub mod future;
-pub mod hedge;
+mod hedge;
 mod layer;
-mod marks;
+pub mod marks;
 mod methods;
-mod metrics;
+pub mod metrics;
 #[cfg(feature = "opentelemetry")]
 pub mod otel;
 mod policy;
@@ -284,25 +304,14 @@ mod throttle;
 mod trace;
 
 pub use body::ResponseBody;
-pub use budget::{Budget, RetryBudget, TowerBudget};
+pub use budget::RetryBudget;
+pub use deadline::forward_deadline;
 pub use error::ConfigError;
 pub use hedge::HedgePolicy;
 pub use layer::RetryLayer;
-pub use marks::{
-    ALREADY_TRIED, ATTEMPT_TIMEOUT, AlreadyTried, IDEMPOTENCY_KEY, INSTANCE_ID,
-    MAX_INSTANCE_ID_LEN, MAX_TRIED_INSTANCES, PREVIOUS_ATTEMPTS, PickedInstance, RetryMarkExt,
-    forward_deadline,
-};
 pub use methods::{CallPolicy, MethodPolicies};
-pub use metrics::RetryMetrics;
-pub use policy::{
-    DEFAULT_MAX_SERVER_DELAY, DEFAULT_REPLAY_LIMIT, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryWhen,
-    RetryableCodes,
-};
-pub use replay::{ReplayBody, ReplayError};
+pub use policy::{RetryPolicy, RetryWhen, RetryableCodes};
 pub use service::RetryService;
-pub use throttle::RetryThrottle;
-pub use trace::{Metrics, NoMetrics};
 
 // The README's snippets compile (and run, where they need no server) as doc
 // tests, so what a newcomer pastes works.

@@ -9,7 +9,6 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
 use crate::classify::{Pushback, pushback_value};
-use crate::deadline::parse_grpc_timeout;
 use crate::status::RETRY_PUSHBACK;
 
 /// The request header carrying the call's idempotency key; a failed call's
@@ -37,40 +36,6 @@ pub const ATTEMPT_TIMEOUT: HeaderName = HeaderName::from_static(ATTEMPT_TIMEOUT_
 pub(crate) const ATTEMPT_TIMEOUT_NAME: &str = "x-attempt-timeout";
 /// The default response header from which an answering instance's id is read.
 pub const INSTANCE_ID: HeaderName = HeaderName::from_static("x-instance-id");
-
-/// Passes the time a served call has on to a call its handler makes for it:
-/// the deadline its caller sent (`grpc-timeout`) and, if its caller's retry
-/// layer said one, when that caller stops waiting for this attempt
-/// ([`ATTEMPT_TIMEOUT`]). A retry layer on the onward call then fits its
-/// retries in that time, and leaves a retry after it to the caller, so that
-/// stacked services with attempt timeouts retry at one layer.
-///
-/// A value not in `grpc-timeout`'s format is not passed on. The time the
-/// handler spent before the onward call is not taken off; call this as the
-/// handler starts, or set a shorter timeout on the onward call.
-///
-/// ```
-/// use tonic::Request;
-///
-/// // What a handler is served (tonic puts the caller's headers in its
-/// // metadata), and the request it makes for it.
-/// let mut served = Request::new(());
-/// served.metadata_mut().insert("grpc-timeout", "500m".parse().unwrap());
-/// served.metadata_mut().insert("x-attempt-timeout", "150m".parse().unwrap());
-/// let mut onward = Request::new(());
-/// tonic_retry::forward_deadline(&served, &mut onward);
-/// assert_eq!(onward.metadata().get("grpc-timeout").unwrap(), "500m");
-/// assert_eq!(onward.metadata().get("x-attempt-timeout").unwrap(), "150m");
-/// ```
-pub fn forward_deadline<T, U>(served: &tonic::Request<T>, onward: &mut tonic::Request<U>) {
-    for name in ["grpc-timeout", "x-attempt-timeout"] {
-        if let Some(value) = served.metadata().get(name)
-            && parse_grpc_timeout(value.as_ref()).is_some()
-        {
-            onward.metadata_mut().insert(name, value.clone());
-        }
-    }
-}
 
 /// A fresh idempotency key: 128 random bits as 32 lowercase hex digits.
 ///
@@ -179,7 +144,7 @@ pub(crate) fn is_valid_id(id: &str) -> bool {
 /// kept. Anything else is skipped, never an error.
 ///
 /// ```
-/// use tonic_retry::AlreadyTried;
+/// use tonic_retry::marks::AlreadyTried;
 ///
 /// fn pick<'a>(endpoints: &'a [&'a str], req: &http::Request<()>) -> Option<&'a str> {
 ///     let tried = req.extensions().get::<AlreadyTried>();
@@ -299,7 +264,7 @@ impl fmt::Debug for AlreadyTried {
 ///
 /// ```
 /// use http::HeaderValue;
-/// use tonic_retry::PickedInstance;
+/// use tonic_retry::marks::PickedInstance;
 ///
 /// fn route<B>(req: &http::Request<B>, chosen: &'static str) {
 ///     if let Some(picked) = req.extensions().get::<PickedInstance>() {
@@ -387,7 +352,7 @@ impl fmt::Debug for PickedInstance {
 ///
 /// ```
 /// use tonic::Status;
-/// use tonic_retry::RetryMarkExt;
+/// use tonic_retry::marks::RetryMarkExt;
 ///
 /// // What the next hop's call returned: a failure its retry layer gave up on.
 /// # let mut downstream = Status::unavailable("inventory is down");

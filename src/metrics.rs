@@ -1,10 +1,14 @@
-//! Counters a caller can read, e.g. to export as metrics.
+//! What the layer did: [`RetryMetrics`], counters a caller reads (from
+//! [`RetryLayer::metrics`](crate::RetryLayer::metrics)), and the
+//! [`Metrics`] a layer records into: [`NoMetrics`] by default, gRPC's
+//! standard metrics with the `opentelemetry` feature (`otel::Recorder`).
 
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::stripes::{Padded, STRIPES, thread_stripe};
+pub use crate::trace::{Metrics, NoMetrics};
 
 /// Counts of what the layer did, shared by every clone of one [`RetryLayer`]
 /// and the services it made.
@@ -36,22 +40,26 @@ struct Counters {
     drain_refused: AtomicU64,
 }
 
-/// What to count.
-#[derive(Clone, Copy, Debug)]
+pub(crate) use event::Event;
+
 // NOTE: `pub` in a private module: the recorders' sealed trait takes it.
-pub enum Event {
-    Retry,
-    TransparentRetry,
-    RefusedByBudget,
-    RefusedByDeadline,
-    RetriedBelow,
-    Marked,
-    BodyTooLarge,
-    Hedge,
-    HedgeCapped,
-    Drained,
-    DrainCut,
-    DrainRefused,
+mod event {
+    /// What to count.
+    #[derive(Clone, Copy, Debug)]
+    pub enum Event {
+        Retry,
+        TransparentRetry,
+        RefusedByBudget,
+        RefusedByDeadline,
+        RetriedBelow,
+        Marked,
+        BodyTooLarge,
+        Hedge,
+        HedgeCapped,
+        Drained,
+        DrainCut,
+        DrainRefused,
+    }
 }
 
 impl RetryMetrics {
@@ -82,8 +90,10 @@ impl RetryMetrics {
         }
     }
 
-    /// Attempts sent whose outcome came back (first attempts and retries;
-    /// an attempt cut before it could be sent is not counted).
+    /// Attempts sent: first attempts, retries, hedges (the losers of a
+    /// hedged call included) and transparent retries, each counted once its
+    /// call is done with it. Not an attempt cut before it could be sent, nor
+    /// one in flight when its caller dropped the call.
     pub fn attempts(&self) -> u64 {
         self.inner
             .attempts

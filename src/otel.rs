@@ -51,7 +51,7 @@
 //!   request carries is `other`.
 //! * `tonic_retry.retries.refused` counts retries the layer decided and did
 //!   not send, by `reason`: `budget` (no token; `throttle` with a
-//!   [`RetryThrottle`](crate::RetryThrottle)) or `deadline` (no time left).
+//!   [`RetryThrottle`](crate::budgets::RetryThrottle)) or `deadline` (no time left).
 //!   The gauge is the budget's balance, for budgets that know it, set each
 //!   time a call through the layer moves it (one series per `grpc.target`:
 //!   layers with budgets of their own want targets of their own).
@@ -60,7 +60,7 @@
 //! returns a `RetryLayer<Bu, B, Recorder>`, whose services are
 //! `RetryService<S, Bu, B, Recorder>` and whose bodies are
 //! `ResponseBody<RB, Recorder>`. A layer given none records nothing and
-//! checks nothing: with [`NoMetrics`](crate::NoMetrics), its default, a call's
+//! checks nothing: with [`NoMetrics`](crate::metrics::NoMetrics), its default, a call's
 //! trace is of no size and every step of it compiles to nothing, so its call
 //! path is the same code whether this feature is compiled or not
 //! (BENCHMARKS.md, "No meter: the same code"). A call through a layer given
@@ -495,6 +495,12 @@ impl CallTrace {
 /// makes. Cloned with the layer and its services: one set of instruments.
 #[derive(Clone)]
 pub struct Recorder(Arc<Otel>);
+
+/// The service a layer given [`GrpcMetrics`] makes: a metered client over a
+/// tonic `Channel` is a `LibraryClient<Metered<Channel>>`, and
+/// `Metered<Channel, RetryThrottle>` pays with gRPC's throttle.
+pub type Metered<S, Bu = crate::RetryBudget, B = tonic::body::Body> =
+    crate::RetryService<S, Bu, B, Recorder>;
 
 impl fmt::Debug for Recorder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -12,16 +12,14 @@ use crate::deadline::PolicyTimeout;
 use crate::error::ConfigError;
 use crate::hedge::HedgePlan;
 
-/// The most attempts a call may make, first attempt included (as in gRPC's A6).
-pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
+/// The most attempts a call may make (see [`RetryPolicy::MAX_ATTEMPTS`]).
+pub(crate) const MAX_ATTEMPTS_LIMIT: u32 = 5;
 
-/// The longest server-given delay a retry waits for by default; see
-/// [`RetryPolicy::with_max_server_delay`].
-pub const DEFAULT_MAX_SERVER_DELAY: Duration = Duration::from_secs(30);
+/// See [`RetryPolicy::DEFAULT_MAX_SERVER_DELAY`].
+pub(crate) const DEFAULT_MAX_SERVER_DELAY: Duration = Duration::from_secs(30);
 
-/// The most request body bytes a call keeps for replay by default (grpc-java's
-/// per-call limit); see [`RetryPolicy::with_replay_limit`].
-pub const DEFAULT_REPLAY_LIMIT: usize = 1 << 20;
+/// See [`RetryPolicy::DEFAULT_REPLAY_LIMIT`].
+pub(crate) const DEFAULT_REPLAY_LIMIT: usize = 1 << 20;
 
 /// The set of status codes the layer may retry, and for each the rule it
 /// follows ([`RetryWhen`]).
@@ -239,6 +237,19 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The most attempts a call may make, first attempt included (as in
+    /// gRPC's A6; a service config's larger values are read as this).
+    pub const MAX_ATTEMPTS: u32 = MAX_ATTEMPTS_LIMIT;
+
+    /// The longest server-given delay a retry waits for by default; see
+    /// [`with_max_server_delay`](Self::with_max_server_delay).
+    pub const DEFAULT_MAX_SERVER_DELAY: Duration = DEFAULT_MAX_SERVER_DELAY;
+
+    /// The most request body bytes a call keeps for replay by default
+    /// (grpc-java's per-call limit); see
+    /// [`with_replay_limit`](Self::with_replay_limit).
+    pub const DEFAULT_REPLAY_LIMIT: usize = DEFAULT_REPLAY_LIMIT;
+
     /// A policy making at most `max_attempts` attempts (first included), waiting
     /// `min(base_delay · 2^(k-1), max_delay) · (1 ± jitter)` before retry `k`.
     ///
@@ -395,7 +406,7 @@ impl RetryPolicy {
     ///
     /// The server is told when the attempt ends: its `grpc-timeout` says the
     /// call's deadline (none, with no deadline) and its `x-attempt-timeout`
-    /// ([`ATTEMPT_TIMEOUT`](crate::ATTEMPT_TIMEOUT)) the attempt's own end,
+    /// ([`ATTEMPT_TIMEOUT`](crate::marks::ATTEMPT_TIMEOUT)) the attempt's own end,
     /// where that is sooner. A server may stop work nobody waits for; a retry
     /// layer in it (its handler passing both on with
     /// [`forward_deadline`](crate::forward_deadline)) fits its own retries
@@ -464,7 +475,7 @@ impl RetryPolicy {
     /// calls' copies together: see
     /// [`RetryLayer::with_replay_memory`](crate::RetryLayer::with_replay_memory).
     ///
-    /// [`RetryMetrics::body_too_large`]: crate::RetryMetrics::body_too_large
+    /// [`RetryMetrics::body_too_large`]: crate::metrics::RetryMetrics::body_too_large
     #[must_use]
     pub fn with_replay_limit(mut self, bytes: usize) -> Self {
         self.replay_limit = bytes;
@@ -479,7 +490,7 @@ impl RetryPolicy {
         self
     }
 
-    /// Whether an [`x-already-tried`](crate::ALREADY_TRIED) header the
+    /// Whether an [`x-already-tried`](crate::marks::ALREADY_TRIED) header the
     /// caller set is trusted (default off).
     ///
     /// Off, the layer removes such a header before the first attempt: a
@@ -488,7 +499,7 @@ impl RetryPolicy {
     /// remote client steer those calls, naming every instance but one to
     /// send them all to that one. The instances a caller one hop up knows
     /// are its own targets, not this layer's, so nothing is lost. A mark set
-    /// in process, the [`AlreadyTried`](crate::AlreadyTried) request
+    /// in process, the [`AlreadyTried`](crate::marks::AlreadyTried) request
     /// extension, is always honoured. Turn it on where instance ids are
     /// shared across hops and every caller is trusted.
     #[must_use]
@@ -500,7 +511,7 @@ impl RetryPolicy {
     /// The response header naming the instance that answered (default
     /// `x-instance-id`), or `None` to learn no instance ids. Instances that
     /// failed an attempt are named on later attempts of the same call (see
-    /// [`AlreadyTried`](crate::AlreadyTried)).
+    /// [`AlreadyTried`](crate::marks::AlreadyTried)).
     #[must_use]
     pub fn with_instance_header(mut self, header: Option<HeaderName>) -> Self {
         self.instance_header = header;
@@ -525,7 +536,7 @@ impl RetryPolicy {
     /// caller could: say, a hop pinned to one zone under a caller that
     /// balances across zones. Then the caller's retry may still succeed
     /// where this hop's could not. See also
-    /// [`RetryMarkExt`](crate::RetryMarkExt), for server handlers that answer
+    /// [`RetryMarkExt`](crate::marks::RetryMarkExt), for server handlers that answer
     /// with a status of their own.
     #[must_use]
     pub fn with_retry_at_one_layer(mut self, on: bool) -> Self {

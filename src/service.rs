@@ -40,7 +40,7 @@ use crate::trace::{CallEnd, Metrics, NoMetrics};
 /// The inner service must be `Clone`: a call's first attempt goes through the
 /// instance the caller readied, and each retry or hedge through a clone of it,
 /// as with `tower::retry::Retry`. The request body `B` must yield `Bytes`, be
-/// `Unpin`, and be buildable from a [`ReplayBody<B>`](crate::ReplayBody) — the
+/// `Unpin`, and be buildable from a [`ReplayBody<B>`](crate::replay::ReplayBody) — the
 /// wrapper that keeps a copy for replay. That holds for `tonic::body::Body` (what
 /// tonic's `Channel` and generated clients use) and for http-body-util's
 /// `BoxBody` / `UnsyncBoxBody` with `BoxError` errors; for a body type of your
@@ -60,7 +60,7 @@ use crate::trace::{CallEnd, Metrics, NoMetrics};
 /// attempt the call no longer needs — a hedge that lost, an attempt cut by
 /// its timeout — is read to its end on a task of its own rather than reset,
 /// so that its server's answer never crosses a reset stream (see
-/// [`RetryMetrics::drained`](crate::RetryMetrics::drained)).
+/// [`RetryMetrics::drained`](crate::metrics::RetryMetrics::drained)).
 ///
 /// `B` is the request body type: tonic's [`Body`](tonic::body::Body) unless
 /// the layer was made for another ([`RetryLayer::for_body`](crate::RetryLayer::for_body)).
@@ -217,7 +217,7 @@ where
 {
     type Response = Response<ResponseBody<RB, M>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, B, RB, Bu, M>;
+    type Future = ResponseFuture<S, Bu, B, M, RB>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // NOTE: a call's deadline is only known from its request, so a caller

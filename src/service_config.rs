@@ -137,7 +137,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 use tonic::Code;
 
-use crate::hedge::HedgePolicy;
+use crate::HedgePolicy;
 use crate::methods::MethodPolicies;
 use crate::policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
 use crate::status::code_name;
@@ -937,7 +937,7 @@ mod tests {
         assert_eq!(write.max_timeout(), Some(Duration::from_secs(1)));
 
         let throttle = config.retry_throttle();
-        assert_eq!(throttle.max_tokens(), Some(10.0));
+        assert_eq!(throttle.max_tokens(), 10.0);
     }
 
     #[test]
@@ -946,7 +946,11 @@ mod tests {
         let table = config.policies(&RetryPolicy::default());
         assert_eq!(table.policy_for("/foo/Bar").max_attempts(), 2);
         assert_eq!(table.policy_for("/foo/Other").max_attempts(), 1);
-        assert_eq!(config.retry_throttle().available(), None, "no throttling");
+        assert_eq!(
+            config.retry_throttle().available(),
+            f64::INFINITY,
+            "no throttling"
+        );
         // An entry without names is ignored; so is an empty document.
         let config = parse(&format!(
             r#"{{"methodConfig": [{{"retryPolicy": {{{GOOD}}}}}]}}"#
@@ -1210,7 +1214,7 @@ mod tests {
             .clone();
         assert_eq!(policy.max_attempts(), 2);
         assert_eq!(policy.max_timeout(), Some(Duration::from_secs(1)));
-        assert_eq!(config.retry_throttle().available(), Some(10.0));
+        assert_eq!(config.retry_throttle().available(), 10.0);
     }
 
     #[test]

@@ -40,11 +40,11 @@ const MILLI: u64 = 1_000;
 /// # Example
 ///
 /// ```
-/// use tonic_retry::RetryThrottle;
+/// use tonic_retry::budgets::RetryThrottle;
 ///
 /// # fn main() -> Result<(), tonic_retry::ConfigError> {
 /// let throttle = RetryThrottle::new(10.0, 0.1)?;
-/// assert_eq!(throttle.available(), Some(10.0));
+/// assert_eq!(throttle.available(), 10.0);
 /// # Ok(())
 /// # }
 /// ```
@@ -96,16 +96,19 @@ impl RetryThrottle {
         Self { inner: None }
     }
 
-    /// The token count, or `None` for [`unlimited`](Self::unlimited).
-    pub fn available(&self) -> Option<f64> {
-        self.inner
-            .as_ref()
-            .map(|t| t.count.load(Ordering::Relaxed) as f64 / MILLI as f64)
+    /// The token count, as [`RetryBudget::available`](crate::RetryBudget::available)
+    /// says its balance; infinite for [`unlimited`](Self::unlimited).
+    pub fn available(&self) -> f64 {
+        self.inner.as_ref().map_or(f64::INFINITY, |t| {
+            t.count.load(Ordering::Relaxed) as f64 / MILLI as f64
+        })
     }
 
-    /// The most tokens, or `None` for [`unlimited`](Self::unlimited).
-    pub fn max_tokens(&self) -> Option<f64> {
-        self.inner.as_ref().map(|t| t.max as f64 / MILLI as f64)
+    /// The most tokens; infinite for [`unlimited`](Self::unlimited).
+    pub fn max_tokens(&self) -> f64 {
+        self.inner
+            .as_ref()
+            .map_or(f64::INFINITY, |t| t.max as f64 / MILLI as f64)
     }
 
     /// Whether a retry may be made now: more than half the tokens are left.
@@ -198,7 +201,7 @@ impl crate::budget::Budget for RetryThrottle {
     }
 
     fn balance(&self) -> Option<f64> {
-        self.available()
+        self.inner.is_some().then(|| self.available())
     }
 }
 
@@ -247,26 +250,26 @@ mod tests {
     fn it_behaves_as_a6_says() {
         // grpc-go's throttling test: maxTokens 10, tokenRatio 0.5.
         let t = RetryThrottle::new(10.0, 0.5).unwrap();
-        assert_eq!(t.available(), Some(10.0), "starts full");
+        assert_eq!(t.available(), 10.0, "starts full");
         for left in [9.0, 8.0, 7.0, 6.0] {
             t.on_retryable_failure();
-            assert_eq!(t.available(), Some(left));
+            assert_eq!(t.available(), left);
             assert!(t.allows_retry(), "{left} > 5");
         }
         t.on_retryable_failure();
-        assert_eq!(t.available(), Some(5.0));
+        assert_eq!(t.available(), 5.0);
         assert!(!t.allows_retry(), "no retry at half");
         t.on_success();
-        assert_eq!(t.available(), Some(5.5));
+        assert_eq!(t.available(), 5.5);
         assert!(t.allows_retry());
         for _ in 0..100 {
             t.on_success();
         }
-        assert_eq!(t.available(), Some(10.0), "capped at max");
+        assert_eq!(t.available(), 10.0, "capped at max");
         for _ in 0..100 {
             t.on_retryable_failure();
         }
-        assert_eq!(t.available(), Some(0.0), "never below zero");
+        assert_eq!(t.available(), 0.0, "never below zero");
     }
 
     #[test]
@@ -274,7 +277,7 @@ mod tests {
         let t = RetryThrottle::new(3.0, 0.5466).unwrap();
         t.on_retryable_failure();
         t.on_success();
-        assert_eq!(t.available(), Some(2.546));
+        assert_eq!(t.available(), 2.546);
         for (max, ratio, field) in [
             (0.0, 0.1, "max_tokens"),
             (-1.0, 0.1, "max_tokens"),
@@ -296,6 +299,6 @@ mod tests {
             t.on_retryable_failure();
         }
         assert!(t.allows_retry());
-        assert_eq!(t.available(), None);
+        assert_eq!(t.available(), f64::INFINITY);
     }
 }

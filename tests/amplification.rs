@@ -15,8 +15,8 @@ use common::pb::*;
 use common::{Instance, Shelf};
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status, Streaming};
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
-use tonic_retry::{RetryBudget, RetryLayer, RetryMarkExt, RetryPolicy, RetryService};
+use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy, RetryService, marks::RetryMarkExt};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::ServiceBuilder;
 
 type Client = LibraryClient<RetryService<Channel>>;

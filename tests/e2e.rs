@@ -15,8 +15,8 @@ use http::HeaderValue;
 use support::parse_timeout;
 use tonic::Code;
 use tonic_retry::balance::PreferUntried;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::ServiceBuilder;
 
 const MS: Duration = Duration::from_millis(1);

@@ -14,8 +14,8 @@ use common::pb::GetBookRequest;
 use common::pb::library_client::LibraryClient;
 use tonic::Code;
 use tonic_retry::balance::PreferUntried;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::ServiceBuilder;
 
 const MS: Duration = Duration::from_millis(1);

@@ -12,9 +12,9 @@ use common::Instance;
 use common::pb::GetBookRequest;
 use common::pb::library_client::LibraryClient;
 use tonic_retry::balance::PreferUntried;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::service_config::ServiceConfig;
 use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::{Layer, ServiceBuilder};
 
 async fn bounded<F: Future>(f: F) -> F::Output {

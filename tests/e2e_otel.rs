@@ -22,8 +22,8 @@ use support::exported::Exported;
 use tonic::Code;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::{BoxError, Service, ServiceBuilder};
 
 const MS: Duration = Duration::from_millis(1);

@@ -656,8 +656,8 @@ async fn a_callers_full_mark_still_names_the_instance_that_failed_here() {
 
 /// tower's own budget with no reserve and no deposits: every `withdraw` is
 /// refused, and the layer only learns it when a retry is sent.
-fn empty_tps() -> tonic_retry::TowerBudget<TpsBudget> {
-    tonic_retry::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 0, 0.0))
+fn empty_tps() -> tonic_retry::budgets::TowerBudget<TpsBudget> {
+    tonic_retry::budgets::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 0, 0.0))
 }
 
 /// The first attempt is cut before it was sent: no server failed, so the

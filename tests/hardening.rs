@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{AlreadyTried, PickedInstance, RetryLayer, RetryPolicy};
+use tonic_retry::{RetryLayer, RetryPolicy, marks::AlreadyTried, marks::PickedInstance};
 use tower::{BoxError, Layer, Service, ServiceExt};
 
 use support::*;

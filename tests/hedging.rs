@@ -131,6 +131,8 @@ async fn an_attempt_is_sent_every_delay_up_to_max_attempts() {
     assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
     assert_eq!(s.layer.metrics().hedges(), 2);
     assert_eq!(s.layer.metrics().retries(), 0, "hedges are not retries");
+    // Every attempt sent counts, the two losers too.
+    assert_eq!(s.layer.metrics().attempts(), 3);
 }
 
 #[tokio::test(start_paused = true)]
@@ -355,7 +357,7 @@ async fn every_hedge_carries_the_key_the_attempt_count_and_the_instances_in_flig
     assert_eq!(r3.headers()["grpc-previous-rpc-attempts"], "2");
     let tried = r3
         .extensions()
-        .get::<tonic_retry::AlreadyTried>()
+        .get::<tonic_retry::marks::AlreadyTried>()
         .expect("a mark");
     assert!(tried.contains("instance-a"), "{tried:?}");
     assert_eq!(r3.headers()["x-already-tried"], "instance-a");
@@ -740,7 +742,7 @@ impl Service<Request<Body>> for Reporter {
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let mut n = self.n.lock().unwrap();
         *n += 1;
-        if let Some(p) = req.extensions().get::<tonic_retry::PickedInstance>() {
+        if let Some(p) = req.extensions().get::<tonic_retry::marks::PickedInstance>() {
             p.set(HeaderValue::from_str(&format!("inst-{n}")).unwrap());
         }
         self.inner.call(req)
@@ -780,7 +782,7 @@ async fn each_hedge_names_every_instance_in_flight() {
 /// RetryThrottle: hedges only while tokens > max/2; only non-fatal answers charge.
 #[tokio::test(start_paused = true)]
 async fn throttle_stops_hedges_at_half_and_charges_non_fatal_only() {
-    let throttle = tonic_retry::RetryThrottle::new(10.0, 0.1).unwrap();
+    let throttle = tonic_retry::budgets::RetryThrottle::new(10.0, 0.1).unwrap();
     let layer = RetryLayer::with_budget(policy(3, 10), throttle.clone());
     let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     let mut svc = layer.layer(inner);
@@ -790,7 +792,7 @@ async fn throttle_stops_hedges_at_half_and_charges_non_fatal_only() {
     let (_, a1) = handle.next_request().await.unwrap();
     a1.send_response(status(Code::NotFound));
     call.await.unwrap().unwrap();
-    assert_eq!(throttle.available(), Some(10.0));
+    assert_eq!(throttle.available(), 10.0);
     // Non-fatal answers: one token each.
     let ready = svc.ready().await.unwrap();
     let call = tokio::spawn(ready.call(request()));
@@ -799,7 +801,7 @@ async fn throttle_stops_hedges_at_half_and_charges_non_fatal_only() {
         a.send_response(status(Code::Unavailable));
     }
     call.await.unwrap().unwrap();
-    assert_eq!(throttle.available(), Some(7.0));
+    assert_eq!(throttle.available(), 7.0);
     // 2 more non-fatal → 5 = max/2: no hedge.
     let ready = svc.ready().await.unwrap();
     let call = tokio::spawn(ready.call(request()));
@@ -814,7 +816,7 @@ async fn throttle_stops_hedges_at_half_and_charges_non_fatal_only() {
     );
     let r = call.await.unwrap().unwrap();
     assert_eq!(code_of(&r), Code::Unavailable);
-    assert_eq!(throttle.available(), Some(5.0));
+    assert_eq!(throttle.available(), 5.0);
 }
 
 /// Extreme values neither panic nor hang.

@@ -14,7 +14,9 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{AlreadyTried, RetryBudget, RetryLayer, RetryPolicy, RetryWhen, RetryableCodes};
+use tonic_retry::{
+    RetryBudget, RetryLayer, RetryPolicy, RetryWhen, RetryableCodes, marks::AlreadyTried,
+};
 use tonic_types::{ErrorDetails, StatusExt};
 use tower::{BoxError, Layer, Service, ServiceExt};
 
@@ -869,7 +871,8 @@ async fn dropping_the_call_cancels_the_attempt_in_flight() {
 async fn any_tower_budget_can_pay_for_retries() {
     use tower::retry::budget::TpsBudget;
     // No reserve, no earnings: tower's budget refuses every retry.
-    let none = tonic_retry::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 0, 0.0));
+    let none =
+        tonic_retry::budgets::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 0, 0.0));
     let layer = RetryLayer::with_budget(RetryPolicy::default(), none);
     let (inner, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let mut svc = layer.layer(inner);
@@ -881,7 +884,8 @@ async fn any_tower_budget_can_pay_for_retries() {
     assert_eq!(layer.metrics().refused_by_budget(), 1);
 
     // A generous one lets the retry through.
-    let plenty = tonic_retry::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 100, 0.5));
+    let plenty =
+        tonic_retry::budgets::TowerBudget::new(TpsBudget::new(Duration::from_secs(10), 100, 0.5));
     let layer = RetryLayer::with_budget(RetryPolicy::default(), plenty);
     let (inner, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let mut svc = layer.layer(inner);
@@ -961,7 +965,7 @@ async fn a_budget_of_ones_own_is_asked_as_the_crates_are() {
         failures: AtomicU32,
         withdrawals: AtomicU32,
     }
-    impl tonic_retry::Budget for Strict {
+    impl tonic_retry::budgets::Budget for Strict {
         fn deposit(&self) {}
         fn withdraw(&self) -> bool {
             self.withdrawals.fetch_add(1, Ordering::SeqCst);

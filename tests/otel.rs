@@ -15,8 +15,8 @@ use support::exported::{Exported, Point, attrs};
 use support::*;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::otel::{GrpcMetrics, LATENCY_BUCKETS, Recorder};
 use tonic_retry::{HedgePolicy, MethodPolicies, RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{otel::GrpcMetrics, otel::LATENCY_BUCKETS, otel::Recorder};
 use tower::{Layer, Service, ServiceExt};
 use tower_test::mock;
 
@@ -733,7 +733,7 @@ async fn a_hedged_calls_trailers_only_ok_moves_the_gauge() {
 
 /// One call through `svc` whose only attempt fails UNAVAILABLE, and whose
 /// retry the budget (`RetryBudget::new(1, 0.001)`, empty) refuses.
-async fn a_call_refused_its_retry<M: tonic_retry::Metrics>(
+async fn a_call_refused_its_retry<M: tonic_retry::metrics::Metrics>(
     svc: &mut support::Svc<M>,
     handle: &mut Handle,
 ) {

@@ -13,7 +13,8 @@ use common::raw::{RawServer, Step, bounded};
 use tonic::Code;
 use tonic::transport::Channel;
 use tonic_retry::{
-    CallPolicy, HedgePolicy, IDEMPOTENCY_KEY, RetryBudget, RetryLayer, RetryPolicy, RetryService,
+    CallPolicy, HedgePolicy, RetryBudget, RetryLayer, RetryPolicy, RetryService,
+    marks::IDEMPOTENCY_KEY,
 };
 use tower::ServiceBuilder;
 

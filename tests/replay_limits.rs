@@ -13,7 +13,7 @@ use http_body_util::BodyExt;
 use support::*;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{DEFAULT_REPLAY_LIMIT, RetryLayer, RetryPolicy};
+use tonic_retry::{RetryLayer, RetryPolicy};
 use tower::{Layer, ServiceExt};
 use tower_test::mock;
 
@@ -32,7 +32,7 @@ fn layer_with_memory(policy: RetryPolicy, memory: usize) -> (Svc, Handle, RetryL
 
 #[test]
 fn the_defaults_are_grpc_javas() {
-    assert_eq!(DEFAULT_REPLAY_LIMIT, 1 << 20);
+    assert_eq!(RetryPolicy::DEFAULT_REPLAY_LIMIT, 1 << 20);
     let policy = RetryPolicy::default();
     let (_, _, layer) = setup(policy, budget());
     assert_eq!(layer.replay_memory_in_use(), 0);

@@ -12,9 +12,9 @@ use common::pb::library_client::LibraryClient;
 use common::pb::{GetBookRequest, ReserveStockRequest};
 use proptest::prelude::*;
 use tonic::Code;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::service_config::ServiceConfig;
-use tonic_retry::{RetryLayer, RetryPolicy, RetryThrottle};
+use tonic_retry::{RetryLayer, RetryPolicy, budgets::RetryThrottle};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::{Layer, ServiceBuilder};
 use tower_test::mock;
 
@@ -48,7 +48,7 @@ async fn a6_throttling_charges_failures_and_stops_retries_at_half() {
         let response = call.await.unwrap().unwrap();
         // A throttled call ends with the failure's own status.
         assert_eq!(code_of(&response), Code::Unavailable);
-        seen.push((attempts, throttle.available().unwrap()));
+        seen.push((attempts, throttle.available()));
     }
     assert_eq!(seen, [(3, 7.0), (2, 5.0), (1, 4.0), (1, 3.0)]);
     assert_eq!(layer.metrics().refused_by_budget(), 3);
@@ -62,7 +62,7 @@ async fn a6_throttling_charges_failures_and_stops_retries_at_half() {
         let response = call.await.unwrap().unwrap();
         assert_eq!(read_to_end(response).await, Code::Ok);
     }
-    assert_eq!(throttle.available(), Some(5.5));
+    assert_eq!(throttle.available(), 5.5);
     assert!(throttle.allows_retry());
 }
 
@@ -126,11 +126,11 @@ async fn methods_that_never_retry_do_not_drain_the_throttle() {
         let got = call_to(&mut svc, &mut handle, reserve, &[Code::Unavailable]).await;
         assert_eq!(got, (1, Code::Unavailable), "ReserveStock is not retried");
     }
-    assert_eq!(throttle.available(), Some(10.0));
+    assert_eq!(throttle.available(), 10.0);
     let get_book = "/library.v1.Library/GetBook";
     let got = call_to(&mut svc, &mut handle, get_book, &[Code::Unavailable]).await;
     assert_eq!(got, (2, Code::Ok), "GetBook is retried");
-    assert_eq!(throttle.available(), Some(9.1));
+    assert_eq!(throttle.available(), 9.1);
 }
 
 /// `tokenRatio` and `maxTokens` keep three decimals as written, although
@@ -146,10 +146,10 @@ async fn three_decimals_are_kept_as_written() {
     let failures = [Code::Unavailable; 3];
     let got = call_to(&mut svc, &mut handle, get_book, &failures).await;
     assert_eq!(got, (3, Code::Unavailable));
-    assert_eq!(throttle.available(), Some(97.0));
+    assert_eq!(throttle.available(), 97.0);
     let got = call_to(&mut svc, &mut handle, get_book, &[]).await;
     assert_eq!(got, (1, Code::Ok));
-    assert_eq!(throttle.available(), Some(98.001));
+    assert_eq!(throttle.available(), 98.001);
 
     for (written, kept) in [
         (2.002, 2.002),
@@ -158,7 +158,7 @@ async fn three_decimals_are_kept_as_written() {
         (999.999, 999.999),
     ] {
         let t = RetryThrottle::new(written, 0.1).unwrap();
-        assert_eq!(t.max_tokens(), Some(kept), "maxTokens {written}");
+        assert_eq!(t.max_tokens(), kept, "maxTokens {written}");
     }
 }
 

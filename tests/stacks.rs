@@ -26,8 +26,8 @@ use http_body_util::combinators::UnsyncBoxBody;
 use tonic::Code;
 use tonic::body::Body;
 use tonic::transport::Channel;
-use tonic_retry::fault::{Fault, FaultLayer, Rule};
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::util::BoxCloneService;
 use tower::{BoxError, Layer, ServiceBuilder, ServiceExt};
 

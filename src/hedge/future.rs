@@ -302,7 +302,10 @@ where
                         // The others are drained, not reset (see
                         // `crate::drain`).
                         for mut loser in this.inflight.drain(..) {
-                            if !loser.future.as_mut().abandon() {
+                            if loser.future.as_mut().abandon() {
+                                // Sent: an attempt, though it lost.
+                                this.shared.count_attempt();
+                            } else {
                                 loser.never_sent(plan);
                             }
                         }

@@ -1,76 +1,4 @@
-//! Hedging: when an attempt is slow, send another copy to another instance
-//! and take the first good answer (gRPC A6's `hedgingPolicy`).
-//!
-//! Retries fix failures; they do not fix slowness. A call stuck on a slow
-//! instance waits out its deadline while the other instances idle. A
-//! [`HedgePolicy`] sends the first attempt at once and, while no attempt has
-//! committed, another every hedging delay, up to `max_attempts`; the first
-//! attempt to commit wins, and the others no longer reach the caller.
-//!
-//! * **What commits:** response headers that start a normal response, or a
-//!   status that is *fatal* (not among the non-fatal codes). A *non-fatal*
-//!   answer (by default `UNAVAILABLE`, and no response at all) commits
-//!   nothing: the next hedge goes at once instead of waiting out its delay.
-//!   When every attempt failed non-fatally, the call fails with the last one.
-//! * **Pushback:** `grpc-retry-pushback-ms: n` on a non-fatal answer delays
-//!   the next hedge to `n` ms from then; a negative value stops hedging (the
-//!   attempts in flight go on).
-//! * **Paid for:** each hedge after the first attempt takes a token from the
-//!   layer's budget when it is sent (with [`RetryThrottle`](crate::RetryThrottle),
-//!   only while it allows retries), and the policy's extra-load cap bounds
-//!   hedges to a fraction of its calls however large the budget.
-//! * **Elsewhere:** every hedge carries the call's idempotency key,
-//!   `grpc-previous-rpc-attempts`, and an already-tried mark naming the
-//!   instances the call has in flight or that failed, so
-//!   [`PreferUntried`](crate::balance::PreferUntried) sends it to another
-//!   instance.
-//! * **Under the deadline** as every attempt is: sent with `grpc-timeout` set
-//!   to the time left, and none with less than the minimum attempt budget.
-//! * **Bodies:** a hedge replays the request's copy, so it is sent only when
-//!   the body is complete (or of a known size) and within the replay limit.
-//!   When a hedge is due and the first attempt (sent) has yet to read the
-//!   body, the body is read ahead into the copy the attempts send, so a first
-//!   attempt slow before it reads (its connection full, or being made) does
-//!   not hold the hedge back. A body that answers `Pending` (a client stream),
-//!   or outgrows the replay limit, is not hedged, and nothing waits for it;
-//!   what was read ahead goes to the attempt sent, whole.
-//!
-//! A method either retries or hedges, never both (A6).
-//!
-//! # The losers, and HTTP/2 resets
-//!
-//! A loser is not reset: dropping an attempt whose stream is open resets
-//! it, the server's answer already on its way then lands on a stream the
-//! client reset, and h2 closes the whole connection after 1,024 such frames
-//! on streams it no longer remembers (`too_many_internal_resets`; it
-//! remembers 50 for a second). With every call hedged that took a connection
-//! every 7,000 calls or so (3 in a 20,000-call run of the tail example). So
-//! each loser is handed to a task that reads it to its end and throws the
-//! answer away, bounded by the call's deadline (else 10 s), 64 KiB of body
-//! and 1,024 drains at once per layer; past a bound it is reset after all ([`RetryMetrics::drained`](crate::RetryMetrics::drained),
-//! [`drain_cut`](crate::RetryMetrics::drain_cut),
-//! [`drain_refused`](crate::RetryMetrics::drain_refused)). A call the caller
-//! drops is cancelled at once, its attempts reset, drained ones included.
-//!
-//! What only the channel can set: how many reset streams h2 remembers, and
-//! for how long — the resets that remain (a drain past its bound, a dropped
-//! call, a deadline) are then never counted against the connection. Raise
-//! them where calls are cancelled in numbers:
-//!
-//! ```no_run
-//! # use std::time::Duration;
-//! use tonic::transport::Endpoint;
-//!
-//! let channel = Endpoint::from_static("http://[::1]:50051")
-//!     .http2_max_concurrent_reset_streams(4096) // h2's default: 50
-//!     .http2_reset_stream_duration(Duration::from_secs(5)) // h2's default: 1 s
-//!     .connect_lazy();
-//! # let _ = channel;
-//! ```
-//!
-//! With those at tonic's defaults, the tail example (`cargo run --release
-//! --example tail -- 10`) hedges every one of 20,000 calls in its stress row
-//! and closes no connection.
+//! Hedging: the policy, and the driver that makes a hedged call's attempts.
 
 mod future;
 mod latency;
@@ -88,7 +16,81 @@ use crate::budget::RetryBudget;
 use crate::error::ConfigError;
 use crate::policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
 
-/// How a hedged call hedges: see the [module docs](self).
+/// Hedging: when an attempt is slow, send another copy to another instance
+/// and take the first good answer (gRPC A6's `hedgingPolicy`).
+///
+/// Retries fix failures; they do not fix slowness. A call stuck on a slow
+/// instance waits out its deadline while the other instances idle. A
+/// [`HedgePolicy`] sends the first attempt at once and, while no attempt has
+/// committed, another every hedging delay, up to `max_attempts`; the first
+/// attempt to commit wins, and the others no longer reach the caller.
+///
+/// * **What commits:** response headers that start a normal response, or a
+///   status that is *fatal* (not among the non-fatal codes). A *non-fatal*
+///   answer (by default `UNAVAILABLE`, and no response at all) commits
+///   nothing: the next hedge goes at once instead of waiting out its delay.
+///   When every attempt failed non-fatally, the call fails with the last one.
+/// * **Pushback:** `grpc-retry-pushback-ms: n` on a non-fatal answer delays
+///   the next hedge to `n` ms from then; a negative value stops hedging (the
+///   attempts in flight go on).
+/// * **Paid for:** each hedge after the first attempt takes a token from the
+///   layer's budget when it is sent (with [`RetryThrottle`](crate::budgets::RetryThrottle),
+///   only while it allows retries), and the policy's extra-load cap bounds
+///   hedges to a fraction of its calls however large the budget.
+/// * **Elsewhere:** every hedge carries the call's idempotency key,
+///   `grpc-previous-rpc-attempts`, and an already-tried mark naming the
+///   instances the call has in flight or that failed, so
+///   [`PreferUntried`](crate::balance::PreferUntried) sends it to another
+///   instance.
+/// * **Under the deadline** as every attempt is: sent with `grpc-timeout` set
+///   to the time left, and none with less than the minimum attempt budget.
+/// * **Bodies:** a hedge replays the request's copy, so it is sent only when
+///   the body is complete (or of a known size) and within the replay limit.
+///   When a hedge is due and the first attempt (sent) has yet to read the
+///   body, the body is read ahead into the copy the attempts send, so a first
+///   attempt slow before it reads (its connection full, or being made) does
+///   not hold the hedge back. A body that answers `Pending` (a client stream),
+///   or outgrows the replay limit, is not hedged, and nothing waits for it;
+///   what was read ahead goes to the attempt sent, whole.
+///
+/// A method either retries or hedges, never both (A6).
+///
+/// # The losers, and HTTP/2 resets
+///
+/// A loser is not reset: dropping an attempt whose stream is open resets
+/// it, the server's answer already on its way then lands on a stream the
+/// client reset, and h2 closes the whole connection after 1,024 such frames
+/// on streams it no longer remembers (`too_many_internal_resets`; it
+/// remembers 50 for a second). With every call hedged that took a connection
+/// every 7,000 calls or so (3 in a 20,000-call run of the tail example). So
+/// each loser is handed to a task that reads it to its end and throws the
+/// answer away, bounded by the call's deadline (else 10 s), 64 KiB of body
+/// and 1,024 drains at once per layer; past a bound it is reset after all ([`RetryMetrics::drained`](crate::metrics::RetryMetrics::drained),
+/// [`drain_cut`](crate::metrics::RetryMetrics::drain_cut),
+/// [`drain_refused`](crate::metrics::RetryMetrics::drain_refused)). A call the caller
+/// drops is cancelled at once, its attempts reset, drained ones included.
+///
+/// What only the channel can set: how many reset streams h2 remembers, and
+/// for how long — the resets that remain (a drain past its bound, a dropped
+/// call, a deadline) are then never counted against the connection. Raise
+/// them where calls are cancelled in numbers:
+///
+/// ```no_run
+/// # use std::time::Duration;
+/// use tonic::transport::Endpoint;
+///
+/// let channel = Endpoint::from_static("http://[::1]:50051")
+///     .http2_max_concurrent_reset_streams(4096) // h2's default: 50
+///     .http2_reset_stream_duration(Duration::from_secs(5)) // h2's default: 1 s
+///     .connect_lazy();
+/// # let _ = channel;
+/// ```
+///
+/// With those at tonic's defaults, the tail example (`cargo run --release
+/// --example tail -- 10`) hedges every one of 20,000 calls in its stress row
+/// and closes no connection.
+///
+/// # The policy
 ///
 /// Made by [`HedgePolicy::new`], refined with the `with_*` settings, and used
 /// wherever a [`RetryPolicy`] is: [`RetryLayer::new`](crate::RetryLayer::new),
@@ -237,7 +239,7 @@ impl HedgePolicy {
     /// whatever the budget allows; up to 100 hedges may be saved up for a
     /// burst (50 at the start), so that a client with many calls in flight
     /// hedges a cluster of slow answers rather than the first few of it.
-    /// [`RetryMetrics::hedges_capped`](crate::RetryMetrics::hedges_capped)
+    /// [`RetryMetrics::hedges_capped`](crate::metrics::RetryMetrics::hedges_capped)
     /// counts the hedges it refused. `None` leaves only the budget to bound
     /// them.
     ///

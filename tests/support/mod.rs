@@ -11,7 +11,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-use tonic_retry::{Metrics, NoMetrics, ResponseBody, RetryBudget, RetryLayer, RetryPolicy};
+use tonic_retry::{
+    ResponseBody, RetryBudget, RetryLayer, RetryPolicy, metrics::Metrics, metrics::NoMetrics,
+};
 use tower::{BoxError, Layer, Service, ServiceExt};
 use tower_test::mock;
 
