@@ -113,7 +113,7 @@ fn sooner(a: Option<(Instant, Cut)>, b: Option<(Instant, Cut)>) -> Option<(Insta
 /// again as one byte). "At once" is within a thousandth of the timeout and
 /// at most a millisecond of the call setting its deadline: no more than
 /// that is added to the time the server is told, which is never less than
-/// the time left (BENCHMARKS.md, "The first attempt's `grpc-timeout`").
+/// the time left (`cargo bench --bench instructions`, stack `c-deadline`).
 ///
 /// The caller's header goes as the caller made it, sensitive or not: a
 /// caller passing on a deadline of its own, a different value on every
@@ -299,7 +299,7 @@ where
     /// driver, which makes the call's attempts through a plain copy of this.
     // NOTE: inlined whatever features are compiled: with `opentelemetry`
     // the caller grew past the inliner's limit and this went out of line,
-    // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
+    // a cost of its own on every call (`cargo bench --bench instructions_otel`).
     #[inline(always)]
     pub(crate) fn new(
         ready: bool,
@@ -415,8 +415,8 @@ where
     // NOTE: the common first attempt (its instance ready, no hedging, no
     // per-attempt timeout, so nothing to drain, and time left) is sent as it
     // is: made a request of the caller's body type once, not first a request
-    // of the replayed body, moved again to be mapped (BENCHMARKS.md, "The
-    // first attempt sent from its parts"). It does what `attempt` does for
+    // of the replayed body, moved again to be mapped (`cargo bench
+    // --bench instructions`). It does what `attempt` does for
     // it; any other goes there.
     #[inline(always)]
     pub(crate) fn call_first(

@@ -207,7 +207,7 @@ impl<B: Body + 'static, M: Metrics> Body for ResponseBody<B, M> {
 
     // NOTE: inlined whatever features are compiled: with `opentelemetry`
     // the caller grew past the inliner's limit and this went out of line,
-    // a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
+    // a cost of its own on every call (`cargo bench --bench instructions_otel`).
     #[inline]
     fn poll_frame(
         self: Pin<&mut Self>,

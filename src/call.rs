@@ -1013,7 +1013,7 @@ where
 /// and its idempotency key if it `failed`, and the replay copy released.
 // NOTE: inlined whatever features are compiled: with `opentelemetry`
 // the caller grew past the inliner's limit and this went out of line,
-// a cost of its own on every call (BENCHMARKS.md, "Standard metrics").
+// a cost of its own on every call (`cargo bench --bench instructions_otel`).
 #[inline(always)]
 fn end_call<B, RB, M: Metrics>(
     req: &impl RetryCopy<B>,

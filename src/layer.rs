@@ -326,7 +326,7 @@ mod tests {
     /// A call, and every attempt and copy it makes, hold the layer through
     /// the handle of the service that made it, never the layer's own
     /// `Arc`: two threads calling through clones of one service write no
-    /// count the other writes (BENCHMARKS.md, "Both cores").
+    /// count the other writes (`cargo bench --bench contended`).
     #[tokio::test(start_paused = true)]
     async fn a_call_in_flight_takes_no_hold_on_the_layer_itself() {
         let layer = RetryLayer::new(

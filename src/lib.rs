@@ -53,7 +53,7 @@
 //! | a stream the server's HTTP/2 library turned away before its application saw it (`REFUSED_STREAM`, or above a graceful `GOAWAY`'s last stream) | at once, once a call, whatever the method's policy (one attempt, or hedging): gRPC's *transparent retry*, not counted toward `max_attempts` nor paid for from the budget |
 //! | no response at all otherwise (connection refused or reset) | yes, as `UNAVAILABLE` |
 //! | `DEADLINE_EXCEEDED`, or the attempt's time ran out (the layer's cut, the Channel's `grpc-timeout`, a server's `CANCELLED` for it) | while the call's deadline has room |
-//! | `RESOURCE_EXHAUSTED` | only with `google.rpc.RetryInfo`, after its `retry_delay` (a set you write retries it always, as A6 does: [`RetryWhen`]) |
+//! | `RESOURCE_EXHAUSTED` | only with `google.rpc.RetryInfo`, after its `retry_delay` (a set you write retries it always, as A6 does: `RetryWhen`) |
 //! | `ABORTED` | never: a conflict the caller must re-read and resolve |
 //! | `NOT_FOUND`, `INVALID_ARGUMENT`, `PERMISSION_DENIED`, `UNAUTHENTICATED`, `UNIMPLEMENTED`, `INTERNAL`, any other code, `OK` | never |
 //! | a response that started normally (headers without `grpc-status`) | never: it is committed and handed over untouched |

@@ -138,6 +138,7 @@ use serde_json::{Map, Value};
 use tonic::Code;
 
 use crate::HedgePolicy;
+use crate::error::ConfigError;
 use crate::methods::MethodPolicies;
 use crate::policy::{MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryableCodes};
 use crate::status::code_name;
@@ -382,22 +383,61 @@ impl ServiceConfig {
     /// still given its idempotency key, replay-free body and the like); each
     /// `timeout` caps the call's deadline.
     pub fn policies(&self, base: &RetryPolicy) -> MethodPolicies {
-        let policy = |config: &MethodConfig| config.policy(base);
+        self.policies_with_hedging(base, Ok)
+            .expect("hedging policies passed on as they are")
+    }
+
+    /// [`policies`](Self::policies), with `hedging` applied to each policy a
+    /// `hedgingPolicy` gives: what A6 has no field for, such as an extra-load
+    /// cap (a config's hedging is bounded by its `retryThrottling` alone) or
+    /// an adaptive delay.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tonic_retry::service_config::ServiceConfig;
+    /// use tonic_retry::RetryPolicy;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config: ServiceConfig = r#"{"methodConfig": [{
+    ///     "name": [{"service": "library.v1.Library", "method": "GetBook"}],
+    ///     "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.05s"}
+    /// }]}"#
+    ///     .parse()?;
+    /// let policies = config.policies_with_hedging(&RetryPolicy::default(), |hedge| {
+    ///     hedge
+    ///         .with_max_extra_load(Some(0.05))?
+    ///         .with_adaptive_delay(0.95, Duration::from_secs(10), Duration::from_millis(5))
+    /// })?;
+    /// let get_book = policies.policy_for("/library.v1.Library/GetBook");
+    /// assert_eq!(get_book.hedge_delay(), Some(Duration::from_millis(50)));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The first error `hedging` returns.
+    pub fn policies_with_hedging(
+        &self,
+        base: &RetryPolicy,
+        hedging: impl Fn(HedgePolicy) -> std::result::Result<HedgePolicy, ConfigError>,
+    ) -> std::result::Result<MethodPolicies, ConfigError> {
+        let policy = |config: &MethodConfig| config.policy(base, &hedging);
         let mut table = MethodPolicies::with_default(match &self.default {
-            Some(config) => policy(config),
+            Some(config) => policy(config)?,
             None => base.single_attempt(),
         });
         // NOTE: the names were checked when the config was parsed (non-empty,
         // no '/', each once), so the table takes every one.
         for (service, config) in &self.services {
-            let taken = table.insert_service(service, policy(config));
+            let taken = table.insert_service(service, policy(config)?);
             debug_assert!(taken.is_ok(), "{taken:?}");
         }
         for (service, method, config) in &self.methods {
-            let taken = table.insert_method(service, method, policy(config));
+            let taken = table.insert_method(service, method, policy(config)?);
             debug_assert!(taken.is_ok(), "{taken:?}");
         }
-        table
+        Ok(table)
     }
 
     /// The config's `retryThrottling` as a budget for the layer, or
@@ -421,17 +461,21 @@ impl FromStr for ServiceConfig {
 }
 
 impl MethodConfig {
-    fn policy(&self, base: &RetryPolicy) -> RetryPolicy {
+    fn policy(
+        &self,
+        base: &RetryPolicy,
+        hedging: &impl Fn(HedgePolicy) -> std::result::Result<HedgePolicy, ConfigError>,
+    ) -> std::result::Result<RetryPolicy, ConfigError> {
         let policy = match (&self.retry, &self.hedge) {
             (None, Some(hedge)) => {
-                let hedging = HedgePolicy::new(hedge.max_attempts, hedge.delay)
+                let hedge = HedgePolicy::new(hedge.max_attempts, hedge.delay)
                     .expect("a validated hedgingPolicy sends 2..=5 attempts")
                     .with_non_fatal_codes(hedge.non_fatal)
                     // A6 bounds hedges by throttling alone.
                     .with_max_extra_load(None)
                     .expect("no cap is a valid cap")
                     .with_settings_of(base);
-                RetryPolicy::from(hedging)
+                RetryPolicy::from(hedging(hedge)?)
             }
             (None, None) => base.single_attempt(),
             (Some(retry), _) => {
@@ -451,10 +495,10 @@ impl MethodConfig {
                 policy
             }
         };
-        match self.timeout {
+        Ok(match self.timeout {
             Some(timeout) => policy.with_max_timeout(timeout),
             None => policy,
-        }
+        })
     }
 }
 
@@ -1231,6 +1275,51 @@ mod tests {
         let e = reject(r#"{"methodConfig": [], "methodconfig": []}"#);
         assert_eq!(e.path(), "methodConfig");
         assert!(e.rule().contains("\"methodconfig\""), "{e}");
+    }
+
+    #[test]
+    fn a_hook_sets_what_a6_has_no_field_for_on_hedged_methods_only() {
+        let config: ServiceConfig = r#"{"methodConfig": [
+            {"name": [{"service": "s.S", "method": "Hedged"}],
+             "timeout": "1s",
+             "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.02s"}},
+            {"name": [{"service": "s.S", "method": "Retried"}],
+             "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s",
+                             "maxBackoff": "0.1s", "backoffMultiplier": 2,
+                             "retryableStatusCodes": ["UNAVAILABLE"]}}
+        ]}"#
+        .parse()
+        .unwrap();
+        let cap = |policies: &MethodPolicies, path: &str| {
+            policies
+                .policy_for(path)
+                .hedge
+                .as_ref()
+                .map(|plan| plan.extra_load.as_ref().map(|(fraction, _)| *fraction))
+        };
+        let base = RetryPolicy::default();
+        // A6: no cap but the throttle.
+        let plain = config.policies(&base);
+        assert_eq!(cap(&plain, "/s.S/Hedged"), Some(None));
+        let capped = config
+            .policies_with_hedging(&base, |hedge| hedge.with_max_extra_load(Some(0.1)))
+            .unwrap();
+        assert_eq!(cap(&capped, "/s.S/Hedged"), Some(Some(0.1)));
+        let hedged = capped.policy_for("/s.S/Hedged");
+        // The config's own fields stay.
+        assert_eq!(hedged.max_attempts(), 3);
+        assert_eq!(hedged.hedge_delay(), Some(Duration::from_millis(20)));
+        assert_eq!(hedged.max_timeout(), Some(Duration::from_secs(1)));
+        assert_eq!(
+            cap(&capped, "/s.S/Retried"),
+            None,
+            "a retried method is left"
+        );
+        // The hook's error is the caller's.
+        let error = config
+            .policies_with_hedging(&base, |hedge| hedge.with_max_extra_load(Some(9.0)))
+            .unwrap_err();
+        assert!(error.to_string().contains("max_extra_load"), "{error}");
     }
 
     #[test]
