@@ -325,7 +325,7 @@ pub use service::RetryService;
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
-/// The guide: the long topics, one section each.
+/// The guide: the long topics, one module each.
 #[cfg(any(
     all(doc, not(doctest)),
     all(
@@ -335,5 +335,27 @@ struct ReadmeDoctests;
         feature = "opentelemetry"
     )
 ))]
-#[doc = include_str!("guide.md")]
-pub mod guide {}
+pub mod guide {
+    #[doc = include_str!("guide/why.md")]
+    pub mod why {}
+    #[doc = include_str!("guide/timeouts.md")]
+    pub mod timeouts {}
+    #[doc = include_str!("guide/settings.md")]
+    pub mod settings {}
+    #[doc = include_str!("guide/method_policies.md")]
+    pub mod method_policies {}
+    #[doc = include_str!("guide/deadline.md")]
+    pub mod deadline {}
+    #[doc = include_str!("guide/amplification.md")]
+    pub mod amplification {}
+    #[doc = include_str!("guide/hedging.md")]
+    pub mod hedging {}
+    #[doc = include_str!("guide/demo.md")]
+    pub mod demo {}
+    #[doc = include_str!("guide/already_tried.md")]
+    pub mod already_tried {}
+    #[doc = include_str!("guide/faults.md")]
+    pub mod faults {}
+    #[doc = include_str!("guide/observability.md")]
+    pub mod observability {}
+}
