@@ -50,12 +50,12 @@ pin_project! {
     /// `M` is what records the call's standard metrics: see
     /// [`RetryLayer`](crate::RetryLayer).
     #[derive(Debug)]
-    pub struct ResponseBody<B, M = NoMetrics>
+    pub struct ResponseBody<RB, M = NoMetrics>
     where
         M: Metrics,
     {
         #[pin]
-        inner: Option<B>,
+        inner: Option<RB>,
         // The call's deadline, while the body is still open.
         deadline: Option<Instant>,
         // Armed the first time the inner body has nothing ready, so a body

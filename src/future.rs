@@ -82,8 +82,8 @@ pin_project! {
         S,
         Bu = RetryBudget,
         B = tonic::body::Body,
-        M = NoMetrics,
         RB = tonic::body::Body,
+        M = NoMetrics,
     >
     where
         S: Service<Request<B>, Response = Response<RB>>,
@@ -105,7 +105,7 @@ pin_project! {
     }
 }
 
-impl<S, B, RB, Bu, M> ResponseFuture<S, Bu, B, M, RB>
+impl<S, B, RB, Bu, M> ResponseFuture<S, Bu, B, RB, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
@@ -148,7 +148,7 @@ where
     }
 }
 
-impl<S, B, RB, Bu, M> Future for ResponseFuture<S, Bu, B, M, RB>
+impl<S, B, RB, Bu, M> Future for ResponseFuture<S, Bu, B, RB, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
@@ -220,7 +220,7 @@ fn finish<RB, M: Metrics>(
     response
 }
 
-impl<S, B, RB, Bu, M> std::fmt::Debug for ResponseFuture<S, Bu, B, M, RB>
+impl<S, B, RB, Bu, M> std::fmt::Debug for ResponseFuture<S, Bu, B, RB, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,

@@ -758,7 +758,8 @@ impl<B: Body> ReplayBody<B> {
     ///
     /// A body whose size hint already says it is larger than `limit` keeps no
     /// copy at all: it is sent once, as it is, and is never replayable.
-    pub fn new(body: B, limit: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(body: B, limit: usize) -> Self {
         Self::sharing(body, limit, None)
     }
 
@@ -937,7 +938,8 @@ impl<B> ReplayBody<B> {
 
     /// Whether a new clone could still send the whole body: the copy has not
     /// been dropped and the caller's body has not failed.
-    pub fn is_replayable(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_replayable(&self) -> bool {
         self.replay_state().is_ok()
     }
 
@@ -1122,12 +1124,14 @@ impl<B> ReplayBody<B> {
     }
 
     /// Whether the body outgrew the replay limit.
-    pub fn is_capped(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_capped(&self) -> bool {
         self.state().is_ok_and(|shared| shared.capped)
     }
 
     /// Whether the caller's body has been read to its end.
-    pub fn is_complete(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_complete(&self) -> bool {
         self.state().map_or(true, |shared| shared.ended)
     }
 

@@ -217,7 +217,7 @@ where
 {
     type Response = Response<ResponseBody<RB, M>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, Bu, B, M, RB>;
+    type Future = ResponseFuture<S, Bu, B, RB, M>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // NOTE: a call's deadline is only known from its request, so a caller

@@ -1249,3 +1249,29 @@ async fn a_body_read_ahead_past_the_replay_limit_is_not_hedged_and_is_sent_whole
     assert_eq!(code_of(&call.await.unwrap().unwrap()), Code::Ok);
     assert_eq!(s.layer.metrics().hedges(), 0);
 }
+
+/// Every attempt sent counts, however the call ends: at the deadline with
+/// all three in flight, or with two in flight after one failed.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_call_ended_by_its_deadline_counts_every_attempt_sent() {
+    let mut s = hedged(policy(3, 30), budget());
+    let call = start(&mut s, with_timeout(request(), "100m")).await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(arrives(&mut s.handle).await);
+    }
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(response.headers()["grpc-previous-rpc-attempts"], "2");
+    assert_eq!(s.layer.metrics().attempts(), 3);
+
+    let mut s = hedged(policy(3, 30), budget());
+    let call = start(&mut s, with_timeout(request(), "100m")).await;
+    let (_, first, _) = arrives(&mut s.handle).await;
+    let _second = arrives(&mut s.handle).await;
+    first.send_response(status(Code::Unavailable));
+    let _third = arrives(&mut s.handle).await;
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(code_of(&response), Code::DeadlineExceeded);
+    assert_eq!(s.layer.metrics().attempts(), 3);
+}

@@ -412,6 +412,7 @@ where
                         for mut other in this.inflight.drain(..) {
                             if other.future.is_sent() {
                                 *this.sent += 1;
+                                this.shared.count_attempt();
                             } else {
                                 other.never_sent(plan);
                             }
