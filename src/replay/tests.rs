@@ -1,0 +1,633 @@
+use super::*;
+use http_body_util::{BodyExt, Full, StreamBody};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+type Source = StreamBody<UnboundedReceiverStream<Result<Frame<Bytes>, BoxError>>>;
+
+/// A body fed by hand: returns the sender and the wrapped body.
+fn fixture(
+    limit: usize,
+) -> (
+    mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>,
+    ReplayBody<Source>,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let body = ReplayBody::new(StreamBody::new(UnboundedReceiverStream::new(rx)), limit);
+    (tx, body)
+}
+
+/// The source `fixture` wraps, for a body made another way.
+fn fixture_source() -> (
+    mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>,
+    Source,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (tx, StreamBody::new(UnboundedReceiverStream::new(rx)))
+}
+
+fn data(s: &'static str) -> Result<Frame<Bytes>, BoxError> {
+    Ok(Frame::data(Bytes::from_static(s.as_bytes())))
+}
+
+fn trailers(k: &'static str, v: &'static str) -> HeaderMap {
+    let mut t = HeaderMap::new();
+    t.insert(k, v.parse().unwrap());
+    t
+}
+
+async fn collect(body: ReplayBody<Source>) -> (Vec<u8>, Option<HeaderMap>) {
+    let c = body
+        .collect()
+        .await
+        .expect("body should be collected whole");
+    let t = c.trailers().cloned();
+    (c.to_bytes().to_vec(), t)
+}
+
+#[tokio::test]
+async fn one_chunk_replays() {
+    let (tx, first) = fixture(64);
+    let second = first.clone();
+    tx.send(data("hello")).unwrap();
+    drop(tx);
+    assert_eq!(collect(first).await.0, b"hello");
+    assert!(second.is_replayable());
+    assert_eq!(
+        collect(second).await.0,
+        b"hello",
+        "the retry sends the same bytes"
+    );
+}
+
+#[tokio::test]
+async fn many_chunks_and_trailers_replay_in_order() {
+    let (tx, first) = fixture(64);
+    let second = first.clone();
+    for s in ["a", "bc", "def"] {
+        tx.send(data(s)).unwrap();
+    }
+    tx.send(Ok(Frame::trailers(trailers("x-sum", "6"))))
+        .unwrap();
+    drop(tx);
+    let (bytes, t) = collect(first).await;
+    assert_eq!(bytes, b"abcdef");
+    assert_eq!(t.unwrap()["x-sum"], "6");
+    let (bytes, t) = collect(second).await;
+    assert_eq!(bytes, b"abcdef");
+    assert_eq!(t.expect("trailers should be replayed")["x-sum"], "6");
+}
+
+#[tokio::test]
+async fn replay_is_zero_copy() {
+    let (tx, mut first) = fixture(64);
+    let mut second = first.clone();
+    tx.send(data("shared")).unwrap();
+    let a = first.frame().await.unwrap().unwrap().into_data().unwrap();
+    let b = second.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(
+        a.as_ptr(),
+        b.as_ptr(),
+        "the replayed chunk is the same memory"
+    );
+}
+
+#[tokio::test]
+async fn a_clone_switched_in_mid_body_replays_then_reads_on() {
+    let (tx, mut first) = fixture(64);
+    let second = first.clone();
+    tx.send(data("one ")).unwrap();
+    assert_eq!(
+        first.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "one "
+    );
+    // The first attempt fails here; its body is dropped mid-stream.
+    drop(first);
+    tx.send(data("two")).unwrap();
+    drop(tx);
+    assert_eq!(collect(second).await.0, b"one two");
+}
+
+#[tokio::test]
+async fn two_clones_reading_at_once_both_see_everything() {
+    let (tx, first) = fixture(64);
+    let second = first.clone();
+    let feed = async move {
+        for s in ["x", "y", "z"] {
+            tokio::task::yield_now().await;
+            tx.send(data(s)).unwrap();
+        }
+    };
+    let (a, b, ()) = tokio::join!(collect(first), collect(second), feed);
+    assert_eq!(a.0, b"xyz");
+    assert_eq!(b.0, b"xyz", "the waiting clone was woken");
+}
+
+#[tokio::test]
+async fn over_the_limit_the_body_is_delivered_whole_but_not_replayable() {
+    let (tx, first) = fixture(8);
+    let mut second = first.clone();
+    for s in ["1234", "5678", "9"] {
+        tx.send(data(s)).unwrap();
+    }
+    drop(tx);
+    assert_eq!(collect(first).await.0, b"123456789", "never truncated");
+    assert!(!second.is_replayable());
+    assert!(second.is_capped());
+    let err = second.frame().await.unwrap().unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<ReplayError>(),
+        Some(&ReplayError::Capped)
+    );
+}
+
+#[tokio::test]
+async fn exactly_the_limit_is_still_replayable() {
+    let (tx, first) = fixture(8);
+    let second = first.clone();
+    tx.send(data("12345678")).unwrap();
+    drop(tx);
+    assert_eq!(collect(first).await.0, b"12345678");
+    assert!(second.is_replayable());
+    assert_eq!(collect(second).await.0, b"12345678");
+}
+
+#[tokio::test]
+async fn a_size_hint_over_the_limit_keeps_nothing() {
+    let body = ReplayBody::new(
+        http_body_util::Full::new(Bytes::from_static(b"0123456789")),
+        4,
+    );
+    assert!(body.is_capped());
+    let bytes = body.collect().await.unwrap().to_bytes();
+    assert_eq!(bytes, "0123456789");
+}
+
+/// How many chunks the shared copy holds.
+fn kept(body: &ReplayBody<Source>) -> usize {
+    let shared = body.state().ok().expect("a streamed body");
+    usize::from(shared.chunks.first.is_some()) + shared.chunks.rest.len()
+}
+
+#[tokio::test]
+async fn after_release_the_stream_goes_on_and_nothing_is_copied() {
+    let (tx, mut first) = fixture(1 << 20);
+    tx.send(data("before")).unwrap();
+    first.frame().await.unwrap().unwrap();
+    assert_eq!(kept(&first), 1);
+    // The response committed: no retry can follow.
+    first.release();
+    assert_eq!(kept(&first), 0, "the copy is dropped at once");
+    assert!(!first.is_replayable());
+    for _ in 0..100 {
+        tx.send(data("streamed on")).unwrap();
+        let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(chunk, "streamed on", "the stream is not disturbed");
+    }
+    assert_eq!(kept(&first), 0, "nothing is copied after the release");
+    let mut late = first.clone();
+    let err = late.frame().await.unwrap().unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<ReplayError>(),
+        Some(&ReplayError::Released)
+    );
+}
+
+#[tokio::test]
+async fn the_last_attempt_releases_the_copy_once_it_has_replayed_it() {
+    let (tx, mut first) = fixture(1 << 20);
+    tx.send(data("a")).unwrap();
+    tx.send(data("b")).unwrap();
+    first.frame().await.unwrap().unwrap();
+    first.frame().await.unwrap().unwrap();
+    let mut last = first.clone();
+    drop(first);
+    last.mark_last();
+    last.sent();
+    assert_eq!(
+        last.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "a"
+    );
+    assert_eq!(kept(&last), 2, "still replaying");
+    assert_eq!(
+        last.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "b"
+    );
+    assert_eq!(kept(&last), 0, "replayed whole: the copy goes");
+    tx.send(data("c")).unwrap();
+    drop(tx);
+    assert_eq!(
+        last.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "c"
+    );
+    assert_eq!(kept(&last), 0, "and nothing more is copied");
+    assert!(last.frame().await.is_none());
+}
+
+#[tokio::test]
+async fn a_failed_source_fails_later_clones_too() {
+    let (tx, mut first) = fixture(64);
+    let mut second = first.clone();
+    tx.send(Err("boom".into())).unwrap();
+    assert!(first.frame().await.unwrap().is_err());
+    assert!(!second.is_replayable());
+    let err = second.frame().await.unwrap().unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<ReplayError>(),
+        Some(&ReplayError::SourceFailed)
+    );
+}
+
+#[tokio::test]
+async fn end_of_stream_and_size_hints() {
+    let body = ReplayBody::new(http_body_util::Empty::<Bytes>::new(), 4);
+    assert!(
+        body.is_end_stream(),
+        "an empty body says so before being polled"
+    );
+    let full = ReplayBody::new(http_body_util::Full::new(Bytes::from_static(b"abc")), 64);
+    assert_eq!(full.size_hint().exact(), Some(3));
+    let again = full.clone();
+    let (bytes, _) = {
+        let c = full.collect().await.unwrap();
+        (c.to_bytes(), ())
+    };
+    assert_eq!(bytes, "abc");
+    assert_eq!(
+        again.size_hint().exact(),
+        Some(3),
+        "replay knows its exact size"
+    );
+    assert!(!again.is_end_stream());
+    assert_eq!(again.collect().await.unwrap().to_bytes(), "abc");
+}
+
+#[tokio::test]
+async fn the_first_attempt_streams_before_the_body_ends() {
+    let (tx, mut first) = fixture(64);
+    tx.send(data("early")).unwrap();
+    // The sender is still open: the body has not ended, yet the chunk flows.
+    let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(chunk, "early");
+    assert!(!first.is_complete());
+    drop(tx);
+    assert!(first.frame().await.is_none());
+    assert!(first.is_complete());
+}
+
+#[test]
+fn the_layers_memory_never_overflows_nor_passes_its_limit() {
+    let memory = ReplayMemory::new(10);
+    assert!(memory.try_reserve(0, 10));
+    assert!(!memory.try_reserve(0, 1), "full");
+    memory.release(0, 4);
+    assert!(
+        !memory.try_reserve(0, usize::MAX),
+        "an overflowing reservation is refused"
+    );
+    assert!(memory.try_reserve(0, 4));
+    assert_eq!(memory.used(), 10);
+    let unbounded = ReplayMemory::new(usize::MAX);
+    assert!(unbounded.try_reserve(0, usize::MAX));
+    assert!(!unbounded.try_reserve(1, 1));
+}
+
+#[test]
+fn bytes_a_stripe_holds_spare_are_room_for_any_other_stripe() {
+    let memory = ReplayMemory::new(1 << 20);
+    // Stripe 0 is granted bytes ahead, and keeps them when its copy goes.
+    assert!(memory.try_reserve(0, 3000));
+    memory.release(0, 3000);
+    assert_eq!(memory.used(), 0, "spare bytes are held by no copy");
+    // The whole limit is still room for a copy counted elsewhere.
+    assert!(memory.try_reserve(1, 1 << 20));
+    assert_eq!(memory.used(), 1 << 20);
+    for stripe in 0..STRIPES {
+        assert!(!memory.try_reserve(stripe, 1), "full, from stripe {stripe}");
+    }
+    memory.release(1, 1 << 20);
+    assert_eq!(memory.used(), 0);
+    assert!(memory.try_reserve(2, 1 << 20), "all of it back");
+}
+
+#[test]
+fn a_stripes_copies_write_no_shared_count_once_it_holds_bytes_ahead() {
+    let memory = ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT);
+    assert!(memory.try_reserve(5, 16));
+    memory.release(5, 16);
+    let granted = memory.granted.load(Ordering::Relaxed);
+    // Unary calls one after another, and up to a grain's worth at once.
+    for size in [16, 4 << 10, 60 << 10] {
+        for _ in 0..1_000 {
+            assert!(memory.try_reserve(5, size));
+            memory.release(5, size);
+        }
+    }
+    let held: Vec<usize> = (0..16).map(|n| 1 + n * 250).collect();
+    for &size in &held {
+        assert!(memory.try_reserve(5, size));
+    }
+    for &size in &held {
+        memory.release(5, size);
+    }
+    assert_eq!(
+        memory.granted.load(Ordering::Relaxed),
+        granted,
+        "the shared count was not written again"
+    );
+    assert_eq!(memory.used(), 0);
+}
+
+#[test]
+fn copies_larger_than_a_grain_that_fit_together_are_never_refused() {
+    // A stripe giving spare bytes back (past twice its grain) while a
+    // copy is refused elsewhere.
+    const LIMIT: usize = 1 << 20;
+    let small = 3 * ReplayMemory::grain(LIMIT);
+    let memory = ReplayMemory::new(LIMIT);
+    let sizes = [LIMIT - small, small];
+    let refused: Vec<usize> = std::thread::scope(|scope| {
+        let threads: Vec<_> = sizes
+            .iter()
+            .enumerate()
+            .map(|(stripe, &size)| {
+                let memory = &memory;
+                scope.spawn(move || {
+                    let mut refused = 0;
+                    for _ in 0..50_000 {
+                        if memory.try_reserve(stripe, size) {
+                            memory.release(stripe, size);
+                        } else {
+                            refused += 1;
+                        }
+                    }
+                    refused
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert_eq!(refused, [0, 0], "refused, by stripe");
+    assert_eq!(memory.used(), 0);
+}
+
+#[test]
+fn calls_through_a_handle_each_count_in_their_threads_stripe() {
+    use crate::shared::{Local, Shared};
+    // tonic's clients are cloned for each call: a service handle each.
+    std::thread::spawn(|| {
+        let policies = crate::MethodPolicies::from(crate::RetryPolicy::default());
+        let budget = crate::RetryBudget::new(10, 0.1).unwrap();
+        let shared = Shared::new(policies, budget);
+        for _ in 0..100 {
+            let handle: Arc<dyn Account> = Local::new(&shared, crate::trace::NoMetrics);
+            assert!(handle.try_reserve(16));
+            handle.release(16);
+        }
+        let memory = &shared.replay_memory;
+        let spare: Vec<usize> = memory
+            .spare
+            .iter()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .collect();
+        let mine = thread_stripe();
+        assert!(spare[mine] > 0, "the thread's stripe holds bytes ahead");
+        assert_eq!(
+            spare.iter().filter(|&&s| s > 0).count(),
+            1,
+            "no other stripe was written: {spare:?}"
+        );
+        assert_eq!(memory.used(), 0);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn a_lowered_limit_holds_for_bytes_granted_ahead_under_the_old_one() {
+    let memory = ReplayMemory::new(1 << 20);
+    // Stripe 0 keeps bytes granted ahead under the first limit.
+    assert!(memory.try_reserve(0, 100));
+    memory.release(0, 100);
+    assert!(memory.try_reserve(1, 500 << 10));
+    memory.set_limit(500 << 10);
+    assert!(
+        !memory.try_reserve(0, 100),
+        "stripe 0's spare bytes are no room past the lowered limit"
+    );
+    assert_eq!(memory.used(), 500 << 10);
+    memory.release(1, 500 << 10);
+    assert!(memory.try_reserve(0, 500 << 10), "what fits under it does");
+    assert!(!memory.try_reserve(1, 1));
+    assert_eq!(memory.used(), 500 << 10);
+}
+
+#[test]
+fn copies_that_fit_together_are_never_refused_whatever_their_stripes_do_at_once() {
+    // Each thread holds at most its copy; together they fill the limit
+    // exactly, so every reservation fits whatever the order.
+    const LIMIT: usize = 1 << 20;
+    let memory = ReplayMemory::new(LIMIT);
+    let sizes = [LIMIT - 3000, 1000, 2000];
+    std::thread::scope(|scope| {
+        for (stripe, &size) in sizes.iter().enumerate() {
+            let memory = &memory;
+            scope.spawn(move || {
+                for _ in 0..20_000 {
+                    assert!(memory.try_reserve(stripe, size), "stripe {stripe} refused");
+                    memory.release(stripe, size);
+                }
+            });
+        }
+    });
+    assert_eq!(memory.used(), 0);
+}
+
+#[tokio::test]
+async fn a_copy_the_layer_has_no_room_for_is_dropped_and_says_why() {
+    let memory = Arc::new(ReplayMemory::new(4));
+    let (tx, source) = tokio::sync::mpsc::unbounded_channel();
+    let source = http_body_util::StreamBody::new(
+        tokio_stream::wrappers::UnboundedReceiverStream::new(source),
+    );
+    let first = ReplayBody::sharing(source, 64, Some(Arc::clone(&memory) as Arc<dyn Account>));
+    let second = first.clone();
+    tx.send(data("abc")).unwrap();
+    tx.send(data("def")).unwrap();
+    drop(tx);
+    let sent = first.collect().await.unwrap().to_bytes();
+    assert_eq!(sent, "abcdef", "the first attempt gets the whole body");
+    assert_eq!(second.replay_state(), Err(ReplayError::LayerFull));
+    assert_eq!(memory.used(), 0, "what the copy held is given back");
+    let err = second.collect().await.unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<ReplayError>(),
+        Some(&ReplayError::LayerFull)
+    );
+}
+
+/// A body the layer's memory counts, read at once as a retried call's is.
+fn at_once<T>(source: T, limit: usize, memory: &Arc<ReplayMemory>) -> ReplayBody<T>
+where
+    T: Body<Data = Bytes> + Unpin,
+    T::Error: Into<BoxError>,
+{
+    let memory = Some(Arc::clone(memory) as Arc<dyn Account>);
+    ReplayBody::at_once(source, limit, memory)
+}
+
+#[tokio::test]
+async fn a_body_all_there_is_read_whole_and_replayed_without_its_source() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let (tx, source) = fixture_source();
+    tx.send(data("ab")).unwrap();
+    tx.send(data("cd")).unwrap();
+    tx.send(Ok(Frame::trailers(trailers("x-t", "1")))).unwrap();
+    let first = at_once(source, 64, &memory);
+    assert!(matches!(first.state, State::Whole(_)));
+    assert!(first.is_complete() && first.is_replayable() && !first.is_capped());
+    assert_eq!(memory.used(), 4, "the copy is counted from the start");
+    let second = first.clone();
+    let third = first.clone();
+    // The caller's body is not read again: its sender may go.
+    drop(tx);
+    for body in [first, second] {
+        let (bytes, t) = collect(body).await;
+        assert_eq!(bytes, b"abcd");
+        assert_eq!(t.unwrap()["x-t"], "1");
+    }
+    // No retry follows: a clone can no longer be sent, and the layer's
+    // memory gets back what the copy held.
+    third.release();
+    assert_eq!(third.whole(), Err(ReplayError::Released));
+    assert_eq!(memory.used(), 0);
+    drop(third);
+    assert_eq!(memory.used(), 0, "given back once");
+}
+
+#[tokio::test]
+async fn a_body_read_whole_gives_the_memory_back_when_its_last_clone_goes() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let first = at_once(Full::new(Bytes::from_static(b"hello")), 64, &memory);
+    let second = first.clone();
+    assert_eq!(memory.used(), 5);
+    drop(first);
+    assert_eq!(memory.used(), 5, "a clone still holds the copy");
+    drop(second);
+    assert_eq!(memory.used(), 0, "a call dropped unreleased holds nothing");
+}
+
+#[tokio::test]
+async fn a_body_not_all_there_sends_what_was_read_then_streams_on() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let (tx, source) = fixture_source();
+    tx.send(data("early")).unwrap();
+    let mut first = at_once(source, 64, &memory);
+    assert!(matches!(first.state, State::Streamed(_)));
+    let second = first.clone();
+    let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(chunk, "early", "what was read at once goes first");
+    tx.send(data(" late")).unwrap();
+    drop(tx);
+    assert_eq!(collect(first).await.0, b" late");
+    assert_eq!(
+        collect(second).await.0,
+        b"early late",
+        "a retry replays all"
+    );
+}
+
+#[tokio::test]
+async fn a_body_failing_at_once_fails_its_first_attempt_and_is_not_replayed() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let (tx, source) = fixture_source();
+    tx.send(data("ok")).unwrap();
+    tx.send(Err("the caller's body broke".into())).unwrap();
+    let mut first = at_once(source, 64, &memory);
+    let second = first.clone();
+    assert!(
+        second.whole().is_ok(),
+        "nothing is known broken before it is sent"
+    );
+    let chunk = first.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(chunk, "ok");
+    let err = first.frame().await.unwrap().unwrap_err();
+    assert_eq!(err.to_string(), "the caller's body broke");
+    assert_eq!(second.replay_state(), Err(ReplayError::SourceFailed));
+    drop(tx);
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_read_at_once_is_sent_whole_and_not_replayed() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let (tx, source) = fixture_source();
+    tx.send(data("0123")).unwrap();
+    tx.send(data("4567")).unwrap();
+    drop(tx);
+    let first = at_once(source, 6, &memory);
+    let second = first.clone();
+    assert_eq!(collect(first).await.0, b"01234567", "sent whole");
+    assert_eq!(second.replay_state(), Err(ReplayError::Capped));
+    assert_eq!(memory.used(), 0);
+}
+
+#[tokio::test]
+async fn a_body_the_layer_has_no_room_for_is_sent_whole_and_not_replayed() {
+    let memory = Arc::new(ReplayMemory::new(3));
+    let first = at_once(Full::new(Bytes::from_static(b"hello")), 64, &memory);
+    let second = first.clone();
+    assert_eq!(first.collect().await.unwrap().to_bytes(), "hello");
+    assert_eq!(second.replay_state(), Err(ReplayError::LayerFull));
+    assert_eq!(memory.used(), 0);
+}
+
+#[tokio::test]
+async fn no_more_than_a_few_frames_are_read_before_the_first_attempt() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let (tx, source) = fixture_source();
+    for _ in 0..AT_ONCE_FRAMES * 4 {
+        tx.send(data("x")).unwrap();
+    }
+    let first = at_once(source, 1 << 20, &memory);
+    match &first.state {
+        State::Streamed(shared) => {
+            let shared = shared.lock().unwrap();
+            assert_eq!(shared.head.len(), AT_ONCE_FRAMES, "the rest waits its turn");
+        }
+        State::Whole(_) => panic!("an unfinished body is not read whole"),
+    }
+    drop(tx);
+    let sent = collect(first).await.0;
+    assert_eq!(
+        sent.len(),
+        AT_ONCE_FRAMES * 4,
+        "nothing lost, nothing twice"
+    );
+}
+
+#[tokio::test]
+async fn the_first_attempt_says_its_size_as_the_callers_body_did() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    // A body that knows its size says so; one that does not (a stream, as
+    // tonic's encoder is) does not start to, so a client adds no
+    // `content-length` the caller's body would not have had.
+    let known = at_once(Full::new(Bytes::from_static(b"hello")), 64, &memory);
+    assert_eq!(known.size_hint().exact(), Some(5));
+    let (tx, source) = fixture_source();
+    tx.send(data("hello")).unwrap();
+    drop(tx);
+    let unknown = at_once(source, 64, &memory);
+    assert!(matches!(unknown.state, State::Whole(_)));
+    assert_eq!(unknown.size_hint().exact(), None);
+    assert_eq!(unknown.size_hint().lower(), 5);
+    // A retry's clone of a body all read knows its size.
+    assert_eq!(unknown.clone().size_hint().exact(), Some(5));
+}
+
+#[tokio::test]
+async fn an_empty_body_is_read_whole_and_ends_at_once() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let first = at_once(http_body_util::Empty::<Bytes>::new(), 64, &memory);
+    assert!(first.is_end_stream());
+    assert!(first.clone().is_end_stream() && first.is_replayable());
+}
