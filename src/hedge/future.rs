@@ -208,6 +208,16 @@ enum Judged<RB, M: Metrics> {
     Deadline,
 }
 
+/// What polling the attempts in flight came to.
+enum Polled<T> {
+    /// The call's answer.
+    Done(T),
+    /// An attempt ended, or one was sent again.
+    Progressed,
+    /// Nothing ended.
+    Idle,
+}
+
 impl<S, B, RB, Bu, M> Future for HedgeFuture<S, B, Bu, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
@@ -217,336 +227,436 @@ where
 {
     type Output = Response<ResponseBody<RB, M>>;
 
+    // NOTE: every field is behind a pointer or `Unpin` (no `#[pin]`), so the
+    // driver is `Unpin` and its steps take it by `&mut`.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        let policy = this.shared.policies.get(this.policy);
-        let plan = policy.hedge.as_deref().expect("a hedged call has a plan");
+        let this = self.get_mut();
         loop {
-            let mut progressed = false;
-
-            // The attempts in flight, in the order they were sent.
-            let mut i = 0;
-            while i < this.inflight.len() {
-                let Poll::Ready(outcome) = this.inflight[i].future.as_mut().poll(cx) else {
-                    i += 1;
-                    continue;
-                };
-                progressed = true;
-                let done = this.inflight.remove(i);
-                // A stream the server's HTTP/2 library refused: sent again at
-                // once, once a call, as gRPC's transparent retry (see
-                // `crate::call`): not a hedge, not counted, not paid for.
-                if *this.transparent == 0
-                    && let Err(Failure::Transport(error)) = &outcome
-                    && is_refused_stream(&**error)
-                    && let Some(template) = this.template.as_ref()
-                    && template.body().whole().is_ok()
-                    && this.room.is_none_or(|(end, _)| {
-                        end.saturating_duration_since(Instant::now()) > policy.min_attempt_budget
-                    })
-                {
-                    this.shared.count_attempt();
-                    tracing::debug!(
-                        attempt = done.number,
-                        "the server refused the stream before its application saw it; sending it again (transparent retry)"
-                    );
-                    // The refused attempt is not counted among those sent
-                    // before it.
-                    let previous = sent_before(
-                        *this.started + 1,
-                        (done.number, *this.unsent_numbers),
-                        this.inflight,
-                    );
-                    let mut request = next_request(
-                        template,
-                        (*this.started, previous),
-                        this.failed,
-                        this.inflight,
-                        policy,
-                    );
-                    request.body_mut().set_transparent(true);
-                    *this.started += 1;
-                    *this.transparent = done.number;
-                    start(
-                        this.attempt,
-                        this.inflight,
-                        policy,
-                        request,
-                        (*this.started, true),
-                    );
-                    continue;
-                }
-                let picked = done
-                    .slot
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take();
-                let judged = judge(
-                    outcome,
-                    policy,
-                    this.shared,
-                    picked,
-                    (done.number, done.started),
-                    this.latencies.as_deref(),
-                    this.sent,
-                    this.failed,
-                    this.last,
-                );
-                match judged {
-                    Judged::Commit(response) => {
-                        let previous = sent_before(
-                            done.number,
-                            (*this.transparent, *this.unsent_numbers),
-                            this.inflight,
-                        );
-                        // The others are drained, not reset (see
-                        // `crate::drain`).
-                        for mut loser in this.inflight.drain(..) {
-                            if loser.future.as_mut().abandon() {
-                                // Sent: an attempt, though it lost.
-                                this.shared.count_attempt();
-                            } else {
-                                loser.never_sent(plan);
-                            }
-                        }
-                        // Nothing more is copied, and the copy goes once the
-                        // winner has read past it — once the attempts
-                        // being drained are done with it: one may still have
-                        // to send the body, and failing it would reset its
-                        // stream after all. The drains end by the deadline.
-                        if let Some(template) = this.template.take() {
-                            template.body().release_to(done.number);
-                        }
-                        let mut response = response;
-                        let failed = response
-                            .headers()
-                            .get(GRPC_STATUS)
-                            .is_some_and(|code| code.as_bytes() != b"0");
-                        if failed || previous > 0 {
-                            hand_back(
-                                &mut response,
-                                previous,
-                                this.key.as_ref().filter(|_| failed),
-                            );
-                        }
-                        return Poll::Ready(response);
-                    }
-                    Judged::NonFatal { delay, stop } => {
-                        if stop {
-                            *this.frozen = true;
-                        }
-                        match delay {
-                            // A server-given delay longer than the layer
-                            // waits, or than the time left, ends the hedging.
-                            Some(d) if d > policy.max_server_delay => *this.frozen = true,
-                            Some(d) if !d.is_zero() => {
-                                let at = Instant::now() + d;
-                                // Refused by the deadline only if a hedge
-                                // could still go, its body included.
-                                let more = !*this.frozen
-                                    && *this.started
-                                        < policy.max_attempts + u32::from(*this.transparent != 0)
-                                    && this
-                                        .template
-                                        .as_ref()
-                                        .is_some_and(|t| t.body().whole().is_ok());
-                                if more
-                                    && let Some((end, why)) = *this.room
-                                    && at >= end
-                                {
-                                    *this.frozen = true;
-                                    // Refused only by the deadline: see the
-                                    // unsent hedges below.
-                                    *this.refused = why == Cut::Deadline;
-                                    *this.no_time = true;
-                                    this.shared.record(Event::RefusedByDeadline);
-                                }
-                                *this.timer = Some(Box::pin(tokio::time::sleep_until(at)));
-                                *this.due = false;
-                                *this.pushed = true;
-                            }
-                            // A server asked for the next attempt now.
-                            Some(_) => {
-                                *this.pushed = false;
-                                *this.due = true;
-                            }
-                            // A6: a non-fatal answer sends the next hedge now,
-                            // unless a server's pushback is still running: the
-                            // server's word on when stands.
-                            None => *this.due |= !*this.pushed,
-                        }
-                    }
-                    Judged::Unsent(failure) => {
-                        *this.frozen = true;
-                        done.never_sent(plan);
-                        *this.unsent_numbers |= 1 << done.number.min(31);
-                        // Not refused for a caller that stops waiting: a
-                        // retry then is the caller's.
-                        if done.number > 1
-                            && matches!(
-                                failure,
-                                Failure::NoBudget
-                                    | Failure::Cut {
-                                        why: Cut::Deadline | Cut::AttemptTimeout(_) | Cut::Below,
-                                        ..
-                                    }
-                            )
-                        {
-                            *this.refused = true;
-                        }
-                        if let Failure::Cut {
-                            why: Cut::Deadline | Cut::Caller,
-                            ..
-                        } = failure
-                        {
-                            // One refusal by the deadline a call: a server's
-                            // delay past it may have counted it already.
-                            if done.number > 1 && !*this.no_time {
-                                this.shared.record(Event::RefusedByDeadline);
-                            }
-                            *this.no_time = true;
-                        }
-                        *this.unsent = Some(failure);
-                    }
-                    Judged::Deadline => {
-                        for mut other in this.inflight.drain(..) {
-                            if other.future.is_sent() {
-                                *this.sent += 1;
-                                this.shared.count_attempt();
-                            } else {
-                                other.never_sent(plan);
-                            }
-                            other.future.as_mut().out_of_time();
-                        }
-                        *this.template = None;
-                        let mut response = status_response(
-                            Code::DeadlineExceeded,
-                            "call deadline exceeded while its hedged attempts were in flight",
-                        );
-                        if gives_up_marked(policy, *this.sent, *this.refused) {
-                            mark_given_up(&mut response, &this.shared.metrics);
-                        }
-                        hand_back(
-                            &mut response,
-                            this.sent.saturating_sub(1),
-                            this.key.as_ref(),
-                        );
-                        return Poll::Ready(response);
-                    }
-                }
-            }
-
-            // The next hedge's time.
-            if !*this.due
-                && let Some(timer) = this.timer.as_mut()
-                && timer.as_mut().poll(cx).is_ready()
-            {
-                *this.timer = None;
-                *this.due = true;
-                *this.pushed = false;
-            }
-
-            // Send the next attempt, if one is due and may go.
-            if *this.due
-                && !*this.frozen
-                && *this.started < policy.max_attempts + u32::from(*this.transparent != 0)
-            {
-                // The body is read ahead only once every attempt started is
-                // sent: one still waiting for its service must find the body
-                // sendable whole when it is ready.
-                let ahead = this.inflight.iter().all(|a| a.future.is_sent());
-                match may_hedge(this.template, *this.started, plan, (cx, ahead)) {
-                    May::Send => {
-                        let template = this.template.as_ref().expect("checked by may_hedge");
-                        let previous = sent_before(
-                            *this.started + 1,
-                            (*this.transparent, *this.unsent_numbers),
-                            this.inflight,
-                        );
-                        let request = next_request(
-                            template,
-                            (*this.started, previous),
-                            this.failed,
-                            this.inflight,
-                            policy,
-                        );
-                        *this.started += 1;
-                        start(
-                            this.attempt,
-                            this.inflight,
-                            policy,
-                            request,
-                            (*this.started, false),
-                        );
-                        // No delay means no timer: a zero-length one would
-                        // still wait for the timer's next tick.
-                        let delay = plan.delay_now(this.latencies.as_deref());
-                        *this.due = delay.is_zero();
-                        *this.pushed = false;
-                        *this.timer =
-                            (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)));
-                        progressed = true;
-                    }
-                    May::NotTheBody => {
-                        *this.frozen = true;
-                        *this.streaming = true;
-                        body_not_hedged(this.template, this.shared, policy);
-                    }
-                    May::Capped => {
-                        *this.frozen = true;
-                        *this.refused = true;
-                        this.shared.metrics.record(Event::HedgeCapped);
-                    }
-                    May::Wait => {}
-                }
-            }
-
-            // No more hedges, and one attempt left, sent, which no
-            // transparent retry will follow (the call made its one, or the
-            // body streams): the copy goes once it has read past it, and
-            // nothing more is copied.
-            if (*this.frozen
-                || *this.started >= policy.max_attempts + u32::from(*this.transparent != 0))
-                && (*this.transparent != 0 || *this.streaming)
-                && let [last] = this.inflight.as_slice()
-                && last.future.is_sent()
-                && let Some(template) = this.template.take()
-            {
-                template.body().release_to(last.number);
-            }
-
-            if this.inflight.is_empty() {
-                let more = !*this.frozen
-                    && *this.started < policy.max_attempts + u32::from(*this.transparent != 0)
-                    && match this.template.as_ref() {
-                        Some(t) if t.body().poll_hedgeable(cx, true) == Poll::Ready(true) => true,
-                        _ => {
-                            body_not_hedged(this.template, this.shared, policy);
-                            false
-                        }
-                    };
-                if !more {
-                    *this.template = None;
-                    let unsent = this.unsent.take();
-                    let mut response = give_up(
-                        this.last.take(),
-                        unsent,
-                        (*this.sent, *this.refused, *this.no_time),
-                        policy,
-                        this.shared,
-                    );
-                    hand_back(
-                        &mut response,
-                        this.sent.saturating_sub(1),
-                        this.key.as_ref(),
-                    );
-                    return Poll::Ready(response);
-                }
+            let mut progressed = match this.poll_attempts(cx) {
+                Polled::Done(response) => return Poll::Ready(response),
+                Polled::Progressed => true,
+                Polled::Idle => false,
+            };
+            this.poll_timer(cx);
+            progressed |= this.send_due(cx);
+            this.release_to_last();
+            if let Some(response) = this.end_if_over(cx) {
+                return Poll::Ready(response);
             }
             if !progressed {
                 return Poll::Pending;
             }
         }
+    }
+}
+
+impl<S, B, RB, Bu, M> HedgeFuture<S, B, Bu, M>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    B: From<ReplayBody<B>> + Send + 'static,
+    Bu: Budget,
+    M: Metrics,
+{
+    /// The call's policy.
+    fn policy(&self) -> &RetryPolicy {
+        self.shared.policies.get(&self.policy)
+    }
+
+    /// The most attempts the call may start: its policy's, and a
+    /// transparent retry once it made one.
+    fn most_attempts(&self) -> u32 {
+        self.policy().max_attempts + u32::from(self.transparent != 0)
+    }
+
+    /// Polls the attempts in flight, in the order they were sent, and acts
+    /// on each that ended.
+    fn poll_attempts(&mut self, cx: &mut Context<'_>) -> Polled<Response<ResponseBody<RB, M>>> {
+        let mut progressed = false;
+        let mut i = 0;
+        while i < self.inflight.len() {
+            let Poll::Ready(outcome) = self.inflight[i].future.as_mut().poll(cx) else {
+                i += 1;
+                continue;
+            };
+            progressed = true;
+            let done = self.inflight.remove(i);
+            if self.resend_refused(&outcome, &done) {
+                continue;
+            }
+            if let Some(response) = self.after(done, outcome) {
+                return Polled::Done(response);
+            }
+        }
+        if progressed {
+            Polled::Progressed
+        } else {
+            Polled::Idle
+        }
+    }
+
+    /// A stream the server's HTTP/2 library refused: sent again at once,
+    /// once a call, as gRPC's transparent retry (see `crate::call`): not a
+    /// hedge, not counted, not paid for. Whether it was.
+    fn resend_refused(
+        &mut self,
+        outcome: &Result<Response<ResponseBody<RB, M>>, Failure>,
+        done: &InFlight<AttemptFuture<S, B, Bu, M>>,
+    ) -> bool {
+        let min_attempt_budget = self.policy().min_attempt_budget;
+        let refused = self.transparent == 0
+            && matches!(outcome, Err(Failure::Transport(error)) if is_refused_stream(&**error))
+            && self
+                .template
+                .as_ref()
+                .is_some_and(|template| template.body().whole().is_ok())
+            && self.room.is_none_or(|(end, _)| {
+                end.saturating_duration_since(Instant::now()) > min_attempt_budget
+            });
+        if !refused {
+            return false;
+        }
+        self.shared.count_attempt();
+        tracing::debug!(
+            attempt = done.number,
+            "the server refused the stream before its application saw it; sending it again (transparent retry)"
+        );
+        // The refused attempt is not counted among those sent before it.
+        let previous = sent_before(
+            self.started + 1,
+            (done.number, self.unsent_numbers),
+            &self.inflight,
+        );
+        let policy = self.shared.policies.get(&self.policy);
+        let template = self.template.as_ref().expect("checked above");
+        let mut request = next_request(
+            template,
+            (self.started, previous),
+            &self.failed,
+            &self.inflight,
+            policy,
+        );
+        request.body_mut().set_transparent(true);
+        self.started += 1;
+        self.transparent = done.number;
+        start(
+            &mut self.attempt,
+            &mut self.inflight,
+            policy,
+            request,
+            (self.started, true),
+        );
+        true
+    }
+
+    /// Judges an attempt that ended: the call's answer if it commits it (or
+    /// the deadline passed), else what follows is set.
+    fn after(
+        &mut self,
+        done: InFlight<AttemptFuture<S, B, Bu, M>>,
+        outcome: Result<Response<ResponseBody<RB, M>>, Failure>,
+    ) -> Option<Response<ResponseBody<RB, M>>> {
+        let picked = done
+            .slot
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let judged = judge(
+            outcome,
+            self.shared.policies.get(&self.policy),
+            &self.shared,
+            picked,
+            (done.number, done.started),
+            self.latencies.as_deref(),
+            &mut self.sent,
+            &mut self.failed,
+            &mut self.last,
+        );
+        match judged {
+            Judged::Commit(response) => Some(self.commit(&done, response)),
+            Judged::NonFatal { delay, stop } => {
+                self.non_fatal(delay, stop);
+                None
+            }
+            Judged::Unsent(failure) => {
+                self.unsent(&done, failure);
+                None
+            }
+            Judged::Deadline => Some(self.out_of_time()),
+        }
+    }
+
+    /// The call commits to `done`'s `response`: the others are drained, not
+    /// reset (see `crate::drain`), and the copy goes once they and the
+    /// winner are done with it.
+    fn commit(
+        &mut self,
+        done: &InFlight<AttemptFuture<S, B, Bu, M>>,
+        mut response: Response<ResponseBody<RB, M>>,
+    ) -> Response<ResponseBody<RB, M>> {
+        let previous = sent_before(
+            done.number,
+            (self.transparent, self.unsent_numbers),
+            &self.inflight,
+        );
+        let plan = self.shared.policies.get(&self.policy).hedge.as_deref();
+        for mut loser in self.inflight.drain(..) {
+            if loser.future.as_mut().abandon() {
+                // Sent: an attempt, though it lost.
+                self.shared.count_attempt();
+            } else if let Some(plan) = plan {
+                loser.never_sent(plan);
+            }
+        }
+        // Nothing more is copied, and the copy goes once the winner has read
+        // past it — once the attempts being drained are done with it: one may
+        // still have to send the body, and failing it would reset its stream
+        // after all. The drains end by the deadline.
+        if let Some(template) = self.template.take() {
+            template.body().release_to(done.number);
+        }
+        let failed = response
+            .headers()
+            .get(GRPC_STATUS)
+            .is_some_and(|code| code.as_bytes() != b"0");
+        if failed || previous > 0 {
+            hand_back(
+                &mut response,
+                previous,
+                self.key.as_ref().filter(|_| failed),
+            );
+        }
+        response
+    }
+
+    /// A non-fatal answer: the next hedge goes now, or after the server's
+    /// `delay`; none more if the server said `stop`, or its delay is longer
+    /// than the layer waits or than the call's room.
+    fn non_fatal(&mut self, delay: Option<Duration>, stop: bool) {
+        if stop {
+            self.frozen = true;
+        }
+        let max_server_delay = self.policy().max_server_delay;
+        match delay {
+            Some(d) if d > max_server_delay => self.frozen = true,
+            Some(d) if !d.is_zero() => {
+                let at = Instant::now() + d;
+                // Refused by the deadline only if a hedge could still go,
+                // its body included.
+                let more = !self.frozen
+                    && self.started < self.most_attempts()
+                    && self
+                        .template
+                        .as_ref()
+                        .is_some_and(|t| t.body().whole().is_ok());
+                if more
+                    && let Some((end, why)) = self.room
+                    && at >= end
+                {
+                    self.frozen = true;
+                    // Refused only by the deadline: see `unsent`.
+                    self.refused = why == Cut::Deadline;
+                    self.no_time = true;
+                    self.shared.record(Event::RefusedByDeadline);
+                }
+                self.timer = Some(Box::pin(tokio::time::sleep_until(at)));
+                self.due = false;
+                self.pushed = true;
+            }
+            // A server asked for the next attempt now.
+            Some(_) => {
+                self.pushed = false;
+                self.due = true;
+            }
+            // A6: a non-fatal answer sends the next hedge now, unless a
+            // server's pushback is still running: the server's word on when
+            // stands.
+            None => self.due |= !self.pushed,
+        }
+    }
+
+    /// An attempt was never sent (no time, no token, no ready service, no
+    /// body): no more hedges go either.
+    fn unsent(&mut self, done: &InFlight<AttemptFuture<S, B, Bu, M>>, failure: Failure) {
+        self.frozen = true;
+        if let Some(plan) = self.shared.policies.get(&self.policy).hedge.as_deref() {
+            done.never_sent(plan);
+        }
+        self.unsent_numbers |= 1 << done.number.min(31);
+        // Not refused for a caller that stops waiting: a retry then is the
+        // caller's.
+        if done.number > 1
+            && matches!(
+                failure,
+                Failure::NoBudget
+                    | Failure::Cut {
+                        why: Cut::Deadline | Cut::AttemptTimeout(_) | Cut::Below,
+                        ..
+                    }
+            )
+        {
+            self.refused = true;
+        }
+        if let Failure::Cut {
+            why: Cut::Deadline | Cut::Caller,
+            ..
+        } = failure
+        {
+            // One refusal by the deadline a call: a server's delay past it
+            // may have counted it already.
+            if done.number > 1 && !self.no_time {
+                self.shared.record(Event::RefusedByDeadline);
+            }
+            self.no_time = true;
+        }
+        self.unsent = Some(failure);
+    }
+
+    /// The call's deadline passed with attempts in flight: each is ended,
+    /// and the call with `DEADLINE_EXCEEDED`.
+    fn out_of_time(&mut self) -> Response<ResponseBody<RB, M>> {
+        let plan = self.shared.policies.get(&self.policy).hedge.as_deref();
+        for mut other in self.inflight.drain(..) {
+            if other.future.is_sent() {
+                self.sent += 1;
+                self.shared.count_attempt();
+            } else if let Some(plan) = plan {
+                other.never_sent(plan);
+            }
+            other.future.as_mut().out_of_time();
+        }
+        self.template = None;
+        let mut response = status_response(
+            Code::DeadlineExceeded,
+            "call deadline exceeded while its hedged attempts were in flight",
+        );
+        if gives_up_marked(self.policy(), self.sent, self.refused) {
+            mark_given_up(&mut response, &self.shared.metrics);
+        }
+        hand_back(
+            &mut response,
+            self.sent.saturating_sub(1),
+            self.key.as_ref(),
+        );
+        response
+    }
+
+    /// The next hedge's time: due once its timer fires.
+    fn poll_timer(&mut self, cx: &mut Context<'_>) {
+        if !self.due
+            && let Some(timer) = self.timer.as_mut()
+            && timer.as_mut().poll(cx).is_ready()
+        {
+            self.timer = None;
+            self.due = true;
+            self.pushed = false;
+        }
+    }
+
+    /// Sends the next attempt, if one is due and may go; whether it did.
+    fn send_due(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.due || self.frozen || self.started >= self.most_attempts() {
+            return false;
+        }
+        let policy = self.shared.policies.get(&self.policy);
+        let plan = policy.hedge.as_deref().expect("a hedged call has a plan");
+        // The body is read ahead only once every attempt started is sent: one
+        // still waiting for its service must find the body sendable whole
+        // when it is ready.
+        let ahead = self.inflight.iter().all(|a| a.future.is_sent());
+        match may_hedge(&self.template, self.started, plan, (cx, ahead)) {
+            May::Send => {
+                let template = self.template.as_ref().expect("checked by may_hedge");
+                let previous = sent_before(
+                    self.started + 1,
+                    (self.transparent, self.unsent_numbers),
+                    &self.inflight,
+                );
+                let request = next_request(
+                    template,
+                    (self.started, previous),
+                    &self.failed,
+                    &self.inflight,
+                    policy,
+                );
+                self.started += 1;
+                start(
+                    &mut self.attempt,
+                    &mut self.inflight,
+                    policy,
+                    request,
+                    (self.started, false),
+                );
+                // No delay means no timer: a zero-length one would still wait
+                // for the timer's next tick.
+                let delay = plan.delay_now(self.latencies.as_deref());
+                self.due = delay.is_zero();
+                self.pushed = false;
+                self.timer = (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)));
+                true
+            }
+            May::NotTheBody => {
+                self.frozen = true;
+                self.streaming = true;
+                body_not_hedged(&self.template, &self.shared, policy);
+                false
+            }
+            May::Capped => {
+                self.frozen = true;
+                self.refused = true;
+                self.shared.metrics.record(Event::HedgeCapped);
+                false
+            }
+            May::Wait => false,
+        }
+    }
+
+    /// No more hedges, and one attempt left, sent, which no transparent
+    /// retry will follow (the call made its one, or the body streams): the
+    /// copy goes once it has read past it, and nothing more is copied.
+    fn release_to_last(&mut self) {
+        if (self.frozen || self.started >= self.most_attempts())
+            && (self.transparent != 0 || self.streaming)
+            && let [last] = self.inflight.as_slice()
+            && last.future.is_sent()
+            && let Some(template) = self.template.take()
+        {
+            template.body().release_to(last.number);
+        }
+    }
+
+    /// With no attempt in flight and none more to send, the call ends with
+    /// how the last one did.
+    fn end_if_over(&mut self, cx: &mut Context<'_>) -> Option<Response<ResponseBody<RB, M>>> {
+        if !self.inflight.is_empty() {
+            return None;
+        }
+        let more = !self.frozen
+            && self.started < self.most_attempts()
+            && match self.template.as_ref() {
+                Some(t) if t.body().poll_hedgeable(cx, true) == Poll::Ready(true) => true,
+                _ => {
+                    body_not_hedged(&self.template, &self.shared, self.policy());
+                    false
+                }
+            };
+        if more {
+            return None;
+        }
+        self.template = None;
+        let unsent = self.unsent.take();
+        let mut response = give_up(
+            self.last.take(),
+            unsent,
+            (self.sent, self.refused, self.no_time),
+            self.shared.policies.get(&self.policy),
+            &self.shared,
+        );
+        hand_back(
+            &mut response,
+            self.sent.saturating_sub(1),
+            self.key.as_ref(),
+        );
+        Some(response)
     }
 }
 
