@@ -227,8 +227,9 @@ where
 {
     type Output = Response<ResponseBody<RB, M>>;
 
-    // NOTE: every field is behind a pointer or `Unpin` (no `#[pin]`), so the
-    // driver is `Unpin` and its steps take it by `&mut`.
+    // NOTE: no field is pinned (the attempts and the timer are boxed, and
+    // nothing pins the rest), so the driver is `Unpin` whatever its
+    // parameters, and its steps take it by `&mut`.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         loop {
