@@ -131,27 +131,26 @@ async fn serve(service: Hop) -> SocketAddr {
 
 /// A retrying client of `addr`: 3 attempts, the attempt timeout, and a
 /// budget too large to spend (no budget).
-fn client(addr: SocketAddr) -> Client {
+fn client(addr: SocketAddr) -> (Client, RetryLayer) {
     let policy = RetryPolicy::new(3, Duration::from_millis(1), Duration::from_millis(2), 0.2)
         .unwrap()
         .with_attempt_timeout(ATTEMPT_TIMEOUT);
+    let layer = RetryLayer::new(policy, RetryBudget::new(1_000_000, 1.0).unwrap());
     let channel = common::library::channel(addr);
-    LibraryClient::new(
-        ServiceBuilder::new()
-            .layer(RetryLayer::new(
-                policy,
-                RetryBudget::new(1_000_000, 1.0).unwrap(),
-            ))
-            .service(channel),
-    )
+    let client = LibraryClient::new(ServiceBuilder::new().layer(layer.clone()).service(channel));
+    (client, layer)
 }
 
-/// user → layer → hop 1 → layer → hop 2 → layer → bottom.
-async fn stack(bottom: Bottom) -> Client {
+/// user → layer → hop 1 → layer → hop 2 → layer → bottom: the user's
+/// client, and the layers from the top down.
+async fn stack(bottom: Bottom) -> (Client, [RetryLayer; 3]) {
     let bottom = serve(Hop::Bottom(bottom)).await;
-    let hop2 = serve(Hop::Forward(Forward(client(bottom)))).await;
-    let hop1 = serve(Hop::Forward(Forward(client(hop2)))).await;
-    client(hop1)
+    let (to_bottom, lowest) = client(bottom);
+    let hop2 = serve(Hop::Forward(Forward(to_bottom))).await;
+    let (to_hop2, middle) = client(hop2);
+    let hop1 = serve(Hop::Forward(Forward(to_hop2))).await;
+    let (top, highest) = client(hop1);
+    (top, [highest, middle, lowest])
 }
 
 async fn call(client: &mut Client, isbn: u32) -> Result<Response<Book>, Status> {
@@ -172,7 +171,7 @@ async fn a_slow_bottom_gets_at_most_one_layers_attempts() {
         ..Default::default()
     };
     let requests = Arc::clone(&bottom.requests);
-    let mut client = stack(bottom).await;
+    let (mut client, _) = stack(bottom).await;
     const CALLS: u64 = 3;
     for i in 0..CALLS {
         let status = call(&mut client, i as u32).await.unwrap_err();
@@ -198,16 +197,24 @@ async fn the_layer_with_time_for_a_retry_makes_it() {
         ..Default::default()
     };
     let requests = Arc::clone(&bottom.requests);
-    let mut client = stack(bottom).await;
+    let (mut client, [top, middle, lowest]) = stack(bottom).await;
     const CALLS: u64 = 3;
     for i in 0..CALLS {
         let book = call(&mut client, i as u32).await.expect("a retry answers");
         assert_eq!(book.get_ref().isbn, i.to_string());
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
+    // Each call retried once, by the top layer, the one with time: the
+    // bottom saw its slow first attempt and one fast one.
     let at_bottom = requests.load(Ordering::SeqCst);
-    assert!(
-        at_bottom <= 3 * CALLS,
-        "{at_bottom} attempts reached the bottom for {CALLS} calls"
+    assert_eq!(
+        at_bottom,
+        2 * CALLS,
+        "attempts at the bottom for {CALLS} calls"
     );
+    assert_eq!(top.metrics().retries(), CALLS);
+    assert_eq!(middle.metrics().retries(), 0);
+    assert_eq!(lowest.metrics().retries(), 0);
+    // The hops below gave up for lack of their caller's time, unmarked.
+    assert_eq!(middle.metrics().marked() + lowest.metrics().marked(), 0);
 }
