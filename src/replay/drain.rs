@@ -42,11 +42,12 @@ pub(super) trait Drains: Send + Sync {
 
 impl<B: Send> Drains for Mutex<Shared<B>> {
     fn start(&self, epoch: u32) {
-        let mut shared = self.lock().unwrap_or_else(PoisonError::into_inner);
         // A clone already gone (its body sent whole) needs nothing kept.
-        let bit = epoch_bit(epoch);
-        shared.cut |= bit;
-        shared.draining |= shared.drainable & bit;
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .readers
+            .drains
+            .start(epoch);
     }
 
     fn end(&self, epoch: u32) {

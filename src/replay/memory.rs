@@ -11,6 +11,16 @@ pub(crate) enum Cap {
     Layer,
 }
 
+impl Cap {
+    /// What a clone that needs a copy dropped for this limit fails with.
+    pub(super) fn error(self) -> ReplayError {
+        match self {
+            Cap::Call => ReplayError::Capped,
+            Cap::Layer => ReplayError::LayerFull,
+        }
+    }
+}
+
 /// The bytes the replay copies of one layer's calls in flight hold together,
 /// and the most they may: a copy that would pass it is dropped, as one that
 /// outgrows its call's limit.

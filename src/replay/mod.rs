@@ -54,6 +54,7 @@ use crate::stripes::{Padded, STRIPES, thread_stripe};
 
 mod drain;
 mod memory;
+mod phase;
 mod read;
 mod shared;
 #[cfg(test)]
@@ -64,6 +65,7 @@ use drain::Drains;
 pub(crate) use drain::{DrainGuard, Lingering};
 use memory::Kept;
 pub(crate) use memory::{Account, Cap, ReplayMemory};
+use phase::*;
 use shared::*;
 use whole::*;
 
@@ -233,44 +235,13 @@ impl<B: Body> ReplayBody<B> {
         pull: Option<Pull<B>>,
     ) -> Self {
         ReplayBody {
-            state: State::Streamed(Arc::new(Mutex::new(Shared {
-                source: Some(body),
-                head: VecDeque::new(),
-                head_ends: false,
-                head_exact: false,
-                chunks: Kept::default(),
-                read: 0,
-                bytes: 0,
+            state: State::Streamed(Arc::new(Mutex::new(Shared::new(
+                body,
                 limit,
-                capped,
-                cap: Cap::Call,
+                (capped, fits),
                 memory,
-                reserved: 0,
-                live: 0,
-                live_pos: 0,
-                only: None,
-                released: false,
-                stalled: false,
-                concurrent: false,
-                fits,
-                ended: false,
-                failed: false,
-                trailers: None,
-                waiting: Vec::new(),
-                picked: None,
-                hedge_epochs: [UNSENT; HEDGE_SLOTS],
-                hedge_pos: [0; HEDGE_SLOTS],
-                alive: 0,
-                heir: 0,
-                drainable: 0,
-                draining: 0,
-                heir_epoch: None,
-                cut: 0,
-                past: 0,
                 pull,
-                over: false,
-                error: None,
-            }))),
+            )))),
             pos: 0,
             trailers_sent: false,
             epoch: 0,
@@ -316,12 +287,13 @@ where
         let replay = Self::sharing(body, limit, memory);
         let read_any = read.chunks.len() > 0 || read.ended || read.error.is_some();
         if read_any && let Ok(mut shared) = replay.state() {
-            shared.head_ends = read.ended;
-            shared.head_exact = exact;
+            let input = &mut shared.input;
+            input.head_ends = read.ended;
+            input.head_exact = exact;
             if read.ended {
-                shared.source = None;
+                input.source = None;
             }
-            shared.head = read.into_frames();
+            input.head = read.into_frames();
         }
         replay
     }
@@ -378,7 +350,7 @@ impl<B> ReplayBody<B> {
             Ok(shared) => shared,
             Err(whole) => return whole.replay_state(),
         };
-        if shared.read == 0 && !shared.failed && !shared.released_to_one() {
+        if shared.copy.read == 0 && !shared.input.failed && !shared.released_to_one() {
             return Ok(());
         }
         shared.replay_state()
@@ -398,7 +370,7 @@ impl<B> ReplayBody<B> {
     pub(crate) fn release(&self) {
         match self.state() {
             Ok(mut shared) => {
-                let live = shared.live;
+                let live = shared.readers.live;
                 shared.finalize(live);
             }
             Err(whole) => whole.release(),
@@ -465,14 +437,15 @@ impl<B> ReplayBody<B> {
             }
         };
         let mut shared = shared.lock().unwrap_or_else(PoisonError::into_inner);
-        shared.live = shared.live.saturating_add(1).min(UNSENT - 1);
-        shared.live_pos = self.pos;
-        self.epoch = shared.live;
+        let readers = &mut shared.readers;
+        readers.live = readers.live.saturating_add(1).min(UNSENT - 1);
+        readers.live_pos = self.pos;
+        self.epoch = readers.live;
         if let Some(slot) = usize::from(self.attempt)
             .checked_sub(1)
-            .and_then(|i| shared.hedge_epochs.get_mut(i))
+            .and_then(|i| readers.hedged.get_mut(i))
         {
-            *slot = self.epoch;
+            slot.epoch = self.epoch;
         }
         if self.marks.has(Marks::LAST) {
             shared.finalize(self.epoch);
@@ -492,15 +465,16 @@ impl<B> ReplayBody<B> {
         let State::Streamed(shared) = &self.state else {
             return None;
         };
-        let bit = epoch_bit(self.epoch);
-        if self.attempt != 0 || bit == 0 {
+        if self.attempt != 0 || !DrainTable::tracks(self.epoch) {
             return None;
         }
         self.marks.set(Marks::DRAINABLE);
         shared
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .drainable |= bit;
+            .readers
+            .drains
+            .sent(self.epoch);
         Some(Lingering {
             shared: Arc::downgrade(shared) as Weak<dyn Drains>,
             epoch: self.epoch,
@@ -510,10 +484,11 @@ impl<B> ReplayBody<B> {
     /// Numbers this clone as attempt `number` of a hedged call.
     pub(crate) fn set_attempt(&mut self, number: u32) {
         self.attempt = attempt_number(number);
-        if self.attempt != 0
+        if let Some(i) = usize::from(self.attempt).checked_sub(1)
             && let Ok(mut shared) = self.state()
+            && let Some(slot) = shared.readers.hedged.get_mut(i)
         {
-            shared.alive |= attempt_bit(self.attempt);
+            slot.alive = true;
         }
     }
 
@@ -530,12 +505,7 @@ impl<B> ReplayBody<B> {
             Ok(shared) => shared,
             Err(whole) => return whole.release(),
         };
-        let number = attempt_number(number);
-        if shared.alive & !attempt_bit(number) == 0 {
-            shared.release_to_attempt(number);
-        } else {
-            shared.heir = number;
-        }
+        shared.commit_to(attempt_number(number));
     }
 
     /// Takes the instance a balancer reported for the last attempt, leaving
@@ -554,20 +524,21 @@ impl<B> ReplayBody<B> {
     /// Whether the body outgrew the replay limit.
     #[cfg(test)]
     pub(crate) fn is_capped(&self) -> bool {
-        self.state().is_ok_and(|shared| shared.capped)
+        self.state()
+            .is_ok_and(|shared| shared.copy.keeping.is_capped())
     }
 
     /// Whether the caller's body has been read to its end.
     #[cfg(test)]
     pub(crate) fn is_complete(&self) -> bool {
-        self.state().map_or(true, |shared| shared.ended)
+        self.state().map_or(true, |shared| shared.input.ended)
     }
 
     /// Lets attempts read the body side by side, as a hedged call's do: a
     /// later attempt being sent no longer ends an earlier one's reading.
     pub(crate) fn set_concurrent(&self) {
         if let Ok(mut shared) = self.state() {
-            shared.concurrent = true;
+            shared.readers.concurrent = true;
         }
     }
 
@@ -594,48 +565,49 @@ impl<B> ReplayBody<B> {
         if shared.replay_state().is_err() {
             return Poll::Ready(false);
         }
-        if shared.ended {
+        if shared.input.ended {
             return Poll::Ready(true);
         }
-        if let Some(size) = shared.fits {
+        if let Some(size) = shared.copy.fits {
             // Attempts read it side by side before it is complete: the
             // layer's memory must hold all of it, or the copy could be
             // dropped under a later attempt's reading.
-            if shared.reserve(size) {
+            if shared.copy.reserve(size) {
                 return Poll::Ready(true);
             }
-            shared.cap(Cap::Layer);
+            shared.copy.cap(Cap::Layer);
             return Poll::Ready(false);
         }
-        if shared.stalled || shared.failed {
+        if shared.input.stalled || shared.input.failed {
             return Poll::Ready(false);
         }
-        let (Some(pull), true) = (shared.pull, ahead) else {
-            if shared.source.is_none() {
+        let (Some(pull), true) = (shared.input.pull, ahead) else {
+            if shared.input.source.is_none() {
                 return Poll::Ready(false);
             }
-            shared.wait(cx);
+            shared.input.wait(cx);
             return Poll::Pending;
         };
         let hedgeable = loop {
-            let Some(source) = shared.source.as_mut() else {
+            let input = &mut shared.input;
+            let Some(source) = input.source.as_mut() else {
                 break false;
             };
             match pull(source, cx) {
                 Poll::Pending => {
-                    shared.stalled = true;
+                    input.stalled = true;
                     break false;
                 }
                 Poll::Ready(None) => {
-                    shared.ended = true;
-                    shared.source = None;
+                    input.ended = true;
+                    input.source = None;
                     break true;
                 }
                 Poll::Ready(Some(Err(error))) => {
                     // Kept for the attempt that reads up to it.
-                    shared.failed = true;
-                    shared.source = None;
-                    shared.error = Some(error);
+                    input.failed = true;
+                    input.source = None;
+                    input.error = Some(error);
                     break false;
                 }
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
@@ -647,17 +619,17 @@ impl<B> ReplayBody<B> {
                     Err(frame) => {
                         // NOTE: http-body's frames are data or trailers.
                         if let Ok(trailers) = frame.into_trailers() {
-                            shared.trailers = Some(trailers);
-                            shared.ended = true;
-                            shared.source = None;
+                            input.trailers = Some(trailers);
+                            input.ended = true;
+                            input.source = None;
                         }
-                        break shared.ended;
+                        break input.ended;
                     }
                 },
             }
         };
         // The attempts waiting for the body have more of it.
-        shared.wake_waiting();
+        shared.input.wake_waiting();
         Poll::Ready(hedgeable)
     }
 }

@@ -28,51 +28,58 @@ where
         };
         let mut guard = shared.lock().unwrap_or_else(PoisonError::into_inner);
         let shared = &mut *guard;
+        let epoch = this.epoch;
 
         // An earlier attempt's stream, still pulled after a later attempt was
         // sent, must not take chunks from it (nor push the copy over its cap).
         // A drained attempt's may go on replaying what the live one read.
-        let stale = this.epoch != UNSENT && this.epoch < shared.live && !shared.concurrent;
-        if stale && shared.draining & epoch_bit(this.epoch) == 0 {
+        let readers = &shared.readers;
+        let stale = epoch != UNSENT && epoch < readers.live && !readers.concurrent;
+        if stale && !readers.drains.is_draining(epoch) {
             return Poll::Ready(Some(Err(ReplayError::Superseded.into())));
         }
         // Once no retry can follow, only the live attempt reads.
-        if shared.only.is_some_and(|only| only != this.epoch) {
+        if let Phase::Only(only) = shared.phase
+            && only != epoch
+        {
             return Poll::Ready(Some(Err(ReplayError::Released.into())));
         }
         // Replay what an earlier attempt already read.
-        if this.pos < shared.read {
-            if shared.capped {
-                return Poll::Ready(Some(Err(shared.cap_error().into())));
+        if this.pos < shared.copy.read {
+            let copy = &shared.copy;
+            if let Keeping::Capped(cap) = copy.keeping {
+                return Poll::Ready(Some(Err(cap.error().into())));
             }
-            if shared.heir_epoch.is_some()
-                && shared.draining & epoch_bit(this.epoch) != 0
-                && (shared.released || this.pos >= shared.chunks.len())
+            let dropped = copy.keeping.is_dropped() || this.pos >= copy.chunks.len();
+            if dropped
+                && matches!(shared.phase, Phase::Drains(_))
+                && shared.readers.drains.is_draining(epoch)
             {
                 // Past what was kept when the call was released while
                 // attempts drain (read since by the attempt it is released
                 // to, and not copied), or the copy is gone because none
                 // needed it: a drained attempt waits for its drain to end.
-                return shared.hold_back(this.epoch, &mut this.waited, cx);
+                return shared.hold_back(epoch, &mut this.waited, cx);
             }
-            if shared.released || this.pos >= shared.chunks.len() {
+            if dropped {
                 return Poll::Ready(Some(Err(ReplayError::Released.into())));
             }
-            let chunk = shared.chunks.get(this.pos).clone();
+            let chunk = copy.chunks.get(this.pos).clone();
             this.pos += 1;
-            shared.advanced((this.epoch, this.attempt), this.pos);
+            shared.advanced((epoch, this.attempt), this.pos);
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
-        shared.advanced((this.epoch, this.attempt), this.pos);
-        if shared.failed {
-            let error = shared
+        shared.advanced((epoch, this.attempt), this.pos);
+        let input = &mut shared.input;
+        if input.failed {
+            let error = input
                 .error
                 .take()
                 .unwrap_or_else(|| ReplayError::SourceFailed.into());
             return Poll::Ready(Some(Err(error)));
         }
-        if shared.ended {
-            return Poll::Ready(match &shared.trailers {
+        if input.ended {
+            return Poll::Ready(match &input.trailers {
                 Some(trailers) if !this.trailers_sent => {
                     this.trailers_sent = true;
                     Some(Ok(Frame::trailers(trailers.clone())))
@@ -89,19 +96,20 @@ where
         // no other attempt can follow: then it is the one reader left.
         // NOTE: once the live attempt's clone is gone too, nothing reads on:
         // the drained one waits until its drain ends.
-        let reader_left = shared.only == Some(this.epoch) || shared.heir_epoch == Some(this.epoch);
-        if stale || (shared.cut & epoch_bit(this.epoch) != 0 && !reader_left) {
-            return shared.hold_back(this.epoch, &mut this.waited, cx);
+        let reader_left = shared.phase.reader() == Some(epoch);
+        if stale || (shared.readers.drains.was_cut(epoch) && !reader_left) {
+            return shared.hold_back(epoch, &mut this.waited, cx);
         }
 
         // This clone is at the front: read on from the caller's body, the
         // frames read before the first attempt first.
-        let polled = if let Some(frame) = shared.head.pop_front() {
+        let input = &mut shared.input;
+        let polled = if let Some(frame) = input.head.pop_front() {
             Poll::Ready(Some(frame))
-        } else if shared.head_ends {
+        } else if input.head_ends {
             Poll::Ready(None)
         } else {
-            let Some(source) = shared.source.as_mut() else {
+            let Some(source) = input.source.as_mut() else {
                 return Poll::Ready(None);
             };
             Pin::new(source)
@@ -110,35 +118,35 @@ where
         };
         let out = match polled {
             Poll::Pending => {
-                shared.stalled = true;
-                shared.wait(cx);
+                input.stalled = true;
+                input.wait(cx);
                 this.waited = true;
                 return Poll::Pending;
             }
             Poll::Ready(None) => {
-                shared.ended = true;
-                shared.source = None;
+                input.ended = true;
+                input.source = None;
                 None
             }
             Poll::Ready(Some(Err(e))) => {
-                shared.failed = true;
-                shared.source = None;
-                shared.head.clear();
+                input.failed = true;
+                input.source = None;
+                input.head.clear();
                 Some(Err(e))
             }
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                 Ok(chunk) => {
                     shared.keep(&chunk);
                     this.pos += 1;
-                    shared.advanced((this.epoch, this.attempt), this.pos);
+                    shared.advanced((epoch, this.attempt), this.pos);
                     Some(Ok(Frame::data(chunk)))
                 }
                 Err(frame) => match frame.into_trailers() {
                     Ok(trailers) => {
                         // Trailers end an HTTP body.
-                        shared.trailers = Some(trailers.clone());
-                        shared.ended = true;
-                        shared.source = None;
+                        input.trailers = Some(trailers.clone());
+                        input.ended = true;
+                        input.source = None;
                         this.trailers_sent = true;
                         Some(Ok(Frame::trailers(trailers)))
                     }
@@ -148,7 +156,7 @@ where
             },
         };
         // Other clones may be waiting on what this one just read.
-        shared.wake_waiting();
+        shared.input.wake_waiting();
         Poll::Ready(out)
     }
 
@@ -160,18 +168,19 @@ where
                     && (whole.trailers.is_none() || self.trailers_sent);
             }
         };
-        if self.pos < shared.read {
+        if self.pos < shared.copy.read {
             return false;
         }
-        if shared.ended {
-            return shared.trailers.is_none() || self.trailers_sent;
+        let input = &shared.input;
+        if input.ended {
+            return input.trailers.is_none() || self.trailers_sent;
         }
         // NOTE: frames read before the first attempt are still to come, and
         // a body whose end was read then still has that end to give.
-        !shared.failed
-            && shared.head.is_empty()
-            && !shared.head_ends
-            && shared.source.as_ref().is_some_and(B::is_end_stream)
+        !input.failed
+            && input.head.is_empty()
+            && !input.head_ends
+            && input.source.as_ref().is_some_and(B::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -188,26 +197,27 @@ where
                 return hint;
             }
         };
-        if shared.capped && self.pos < shared.read {
+        if shared.copy.keeping.is_capped() && self.pos < shared.copy.read {
             return SizeHint::default();
         }
-        let head: u64 = shared
+        let input = &shared.input;
+        let head: u64 = input
             .head
             .iter()
             .filter_map(|frame| frame.as_ref().ok()?.data_ref())
             .map(|chunk| chunk.len() as u64)
             .sum();
-        let kept = shared.chunks.bytes_from(self.pos).saturating_add(head);
-        if shared.head_ends {
+        let kept = shared.copy.chunks.bytes_from(self.pos).saturating_add(head);
+        if input.head_ends {
             // As the caller's body said its size (see `Whole::exact`).
-            if shared.head_exact {
+            if input.head_exact {
                 return SizeHint::with_exact(kept);
             }
             let mut hint = SizeHint::new();
             hint.set_lower(kept);
             return hint;
         }
-        match &shared.source {
+        match &input.source {
             None => SizeHint::with_exact(kept),
             Some(source) => {
                 let rest = source.size_hint();
@@ -271,16 +281,16 @@ impl<B> ReplayBody<B> {
             shared.gone(self.attempt);
         }
         if drainable {
-            shared.drainable &= !epoch_bit(self.epoch);
-            if shared.live == self.epoch {
+            shared.readers.drains.gone(self.epoch);
+            if shared.readers.live == self.epoch {
                 // The live attempt is gone: it needs nothing more of the
                 // copy (a retry sent after it reads from its own start).
-                shared.live_pos = usize::MAX;
+                shared.readers.live_pos = usize::MAX;
             }
             shared.drain_over(self.epoch);
         }
         if self.waited {
-            shared.wake_waiting();
+            shared.input.wake_waiting();
         }
     }
 }
@@ -302,14 +312,14 @@ impl<B> fmt::Debug for ReplayBody<B> {
         };
         f.debug_struct("ReplayBody")
             .field("pos", &self.pos)
-            .field("read", &shared.read)
-            .field("bytes", &shared.bytes)
-            .field("limit", &shared.limit)
-            .field("capped", &shared.capped)
-            .field("released", &shared.released)
+            .field("read", &shared.copy.read)
+            .field("bytes", &shared.copy.bytes)
+            .field("limit", &shared.copy.limit)
+            .field("keeping", &shared.copy.keeping)
+            .field("phase", &shared.phase)
             .field("epoch", &self.epoch)
             .field("retry", &self.is_retry())
-            .field("ended", &shared.ended)
+            .field("ended", &shared.input.ended)
             .finish()
     }
 }
