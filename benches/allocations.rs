@@ -7,7 +7,7 @@
 #![allow(unsafe_code)]
 
 mod common;
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -9,7 +9,7 @@
 //! work done before it is sent (BENCHMARKS.md, "The timeout gap is a
 //! threshold of the loop").
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::time::{Duration, Instant};

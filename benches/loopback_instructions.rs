@@ -36,7 +36,7 @@
 //! done   # (second - first) / 2000 = instructions per call
 //! ```
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use library::Shelf;

@@ -19,7 +19,7 @@
 //! the server accepted beyond the first (a connection the client lost to
 //! h2's reset guards, or to anything else, is reopened and counted here).
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::net::SocketAddr;

@@ -7,7 +7,7 @@
 //! it. Prints how a few retried calls went, attempt by attempt, then both runs
 //! side by side.
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::collections::BTreeMap;

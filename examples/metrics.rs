@@ -7,7 +7,7 @@
 //! printed as an operator reads it: metric, unit, attributes, and count / sum
 //! / buckets.
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::time::Duration;

@@ -8,7 +8,7 @@
 //! alias. The instances run on loopback: `a` fails a fifth of its calls
 //! `UNAVAILABLE`, `b` answers a tenth of them 200 ms late, `c` is healthy.
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::time::Duration;

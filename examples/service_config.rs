@@ -7,7 +7,7 @@
 //! becomes the layer's budget. One channel to one faulty instance carries all
 //! three methods; the server counts what each method's calls cost it.
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::collections::BTreeMap;

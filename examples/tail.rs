@@ -19,7 +19,7 @@
 //! `ROW` runs only the rows named (`none`, `tower`, `fixed`, `adaptive`,
 //! `stress`), e.g. `-- 30 adaptive` to look at one row's spread.
 
-#[path = "../tests/common/library.rs"]
+#[path = "../tests/support/library.rs"]
 mod library;
 
 use std::future::Future;
@@ -49,7 +49,7 @@ const CALLS: usize = 20_000;
 const TASKS: usize = 32;
 
 // The error is a `Status`, not a `BoxError`: tonic's client over a service
-// whose own type names `BoxError` cannot be spawned (see tests/stacks.rs).
+// whose own type names `BoxError` cannot be spawned (see tests/stacks/tower.rs).
 type Boxed = BoxCloneService<http::Request<Body>, http::Response<Body>, tonic::Status>;
 
 fn status(error: impl Into<BoxError>) -> tonic::Status {

@@ -1,6 +1,14 @@
-//! Helpers shared by the `tower-test` mock tests.
+//! Helpers shared by the tests: `tower-test` mocks and their requests and
+//! answers, a real tonic `Library` server ([`library`]), a raw HTTP/2 server
+//! ([`raw`]), and the OpenTelemetry SDK's in-memory exporter ([`exported`]).
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
+
+pub mod library;
+pub mod raw;
+
+pub use library::pb;
+pub use library::{Instance, Shelf};
 
 use std::time::Duration;
 
@@ -18,6 +26,49 @@ use tower::{BoxError, Layer, Service, ServiceExt};
 use tower_test::mock;
 
 pub const MS: Duration = Duration::from_millis(1);
+
+/// Awaits `f` on real time, failing the test if it takes more than 20 s.
+pub async fn bounded<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(20), f)
+        .await
+        .expect("the call hung")
+}
+
+/// Awaits `f` on paused time, where every call ends in well under an hour
+/// of virtual time: a hang fails the test instead of stalling it.
+pub async fn bounded_paused<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(3600), f)
+        .await
+        .expect("the call hung")
+}
+
+/// A policy of `attempts`, backing off from 20 ms to 500 ms with 20 % jitter.
+pub fn policy(attempts: u32) -> RetryPolicy {
+    RetryPolicy::new(attempts, 20 * MS, 500 * MS, 0.2).unwrap()
+}
+
+/// A service answering each attempt as `answer` says (given the attempt's
+/// index), after `delay`.
+pub fn scripted<F>(
+    delay: Duration,
+    answer: F,
+) -> impl Service<Request<Body>, Response = Response<Body>, Error = BoxError, Future: Send>
++ Clone
++ Send
++ 'static
+where
+    F: Fn(usize) -> Result<Response<Body>, BoxError> + Clone + Send + Sync + 'static,
+{
+    let n = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tower::service_fn(move |_req: Request<Body>| {
+        let i = n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let answer = answer.clone();
+        async move {
+            tokio::time::sleep(delay).await;
+            answer(i)
+        }
+    })
+}
 
 pub type Handle = mock::Handle<Request<Body>, Response<Body>>;
 /// A mock behind the layer; `M` is what records its metrics.
