@@ -243,13 +243,15 @@ impl<B> Shared<B> {
     /// `Drains` to `Drains(epoch)` while other attempts drain, else to
     /// `Only(epoch)`); the copy goes as soon as that clone has replayed it.
     ///
-    /// A hedged call, released by [`release_to_attempt`](Self::release_to_attempt),
-    /// never gets here once `Losers`: its phase stays as it is.
+    /// A call is released once: a hedged call by [`commit_to`](Self::commit_to),
+    /// whose `Losers` stays as it is here; a retried one by its last attempt
+    /// sent, then again (to the same attempt) when it ends. So `Only` never
+    /// becomes `Drains`: a drain that starts later finds its clone released.
     pub(super) fn finalize(&mut self, epoch: u32) {
         if matches!(self.phase, Phase::Losers(_)) {
             return;
         }
-        if self.readers.drains.others_draining(epoch) {
+        if !matches!(self.phase, Phase::Only(_)) && self.readers.drains.others_draining(epoch) {
             self.phase = Phase::Drains(epoch);
             // The attempt released to may be a drained one, now the one
             // reader left; and the drained ones past the copy say so.
@@ -286,9 +288,14 @@ impl<B> Shared<B> {
         }
     }
 
-    /// A hedged call committed to its attempt `number`: to `Only` at once
-    /// when no other attempt's clone is alive, else to `Losers(number)`.
+    /// A hedged call committed to its attempt `number`: `Open` to `Only` at
+    /// once when no other attempt's clone is alive, else to `Losers(number)`.
+    /// A call already released stays released: a clone refused never reads
+    /// again, and nothing more is copied.
     pub(super) fn commit_to(&mut self, number: u8) {
+        if self.phase != Phase::Open {
+            return;
+        }
         let others_alive = self
             .readers
             .hedged

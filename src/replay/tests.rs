@@ -635,3 +635,103 @@ async fn an_empty_body_is_read_whole_and_ends_at_once() {
     assert!(first.is_end_stream());
     assert!(first.clone().is_end_stream() && first.is_replayable());
 }
+
+/// What one frame read was: data (its text), trailers, the end, or an error
+/// (its `ReplayError`).
+fn frame_kind(frame: Option<Result<Frame<Bytes>, BoxError>>) -> String {
+    match frame {
+        None => "end".into(),
+        Some(Ok(frame)) => match frame.into_data() {
+            Ok(data) => String::from_utf8_lossy(&data).into_owned(),
+            Err(_) => "trailers".into(),
+        },
+        Some(Err(e)) => format!("{:?}", e.downcast_ref::<ReplayError>()),
+    }
+}
+
+#[tokio::test]
+async fn a_hedged_call_committed_then_released_lets_its_winner_read_on() {
+    let (tx, source) = fixture_source();
+    let template = ReplayBody::hedged(source, 64, None);
+    template.set_concurrent();
+    let mut winner = template.clone();
+    winner.set_attempt(1);
+    winner.sent();
+    let mut loser = template.clone();
+    loser.set_attempt(2);
+    loser.sent();
+    tx.send(data("x")).unwrap();
+    assert_eq!(frame_kind(winner.frame().await), "x");
+    template.release_to(1);
+    template.release();
+    tx.send(data("y")).unwrap();
+    assert_eq!(frame_kind(winner.frame().await), "y", "the winner reads on");
+    assert_eq!(frame_kind(loser.frame().await), "x", "the loser replays");
+}
+
+#[tokio::test]
+async fn a_call_released_stays_released_when_a_hedge_commits_after() {
+    let memory = Arc::new(ReplayMemory::new(1 << 20));
+    let (tx, source) = fixture_source();
+    let account = Arc::clone(&memory) as Arc<dyn Account>;
+    let template = ReplayBody::hedged(source, 64, Some(account));
+    template.set_concurrent();
+    let mut first = template.clone();
+    first.set_attempt(1);
+    first.sent();
+    let mut second = template.clone();
+    second.set_attempt(2);
+    second.sent();
+    tx.send(data("x")).unwrap();
+    assert_eq!(frame_kind(first.frame().await), "x");
+    template.release();
+    assert_eq!(frame_kind(first.frame().await), "Some(Released)");
+    template.release_to(2);
+    tx.send(data("y")).unwrap();
+    assert_eq!(
+        frame_kind(first.frame().await),
+        "Some(Released)",
+        "a clone refused never reads again"
+    );
+    assert_eq!(memory.used(), 1, "nothing more is copied");
+}
+
+#[tokio::test]
+async fn a_drain_started_after_the_release_finds_its_clone_released() {
+    let (tx, source) = fixture_source();
+    let template = ReplayBody::sharing(source, 64, None);
+    let mut cut = template.clone();
+    cut.sent();
+    let lingering = cut
+        .drainable()
+        .expect("a retried call's attempt may be drained");
+    let mut last = template.clone();
+    last.mark_last();
+    last.sent();
+    tx.send(data("b")).unwrap();
+    let _drain = lingering.drain();
+    template.release();
+    let mut cx = Context::from_waker(Waker::noop());
+    let read = match Pin::new(&mut cut).poll_frame(&mut cx) {
+        Poll::Pending => "pending".to_owned(),
+        Poll::Ready(frame) => frame_kind(frame),
+    };
+    assert_eq!(read, "Some(Released)");
+}
+
+#[tokio::test]
+async fn a_commit_to_an_attempt_out_of_range_leaves_the_call_released() {
+    let (_tx, source) = fixture_source();
+    let template = ReplayBody::hedged(source, 64, None);
+    let mut first = template.clone();
+    first.set_attempt(1);
+    first.sent();
+    let mut second = template.clone();
+    second.set_attempt(2);
+    second.sent();
+    template.release_to(1);
+    template.release_to(7);
+    assert_eq!(template.replay_state(), Err(ReplayError::Released));
+    drop(second);
+    assert_eq!(template.replay_state(), Err(ReplayError::Released));
+}
