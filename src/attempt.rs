@@ -818,6 +818,21 @@ pin_project! {
     }
 }
 
+#[cfg(test)]
+impl<S, B, Bu, M> AttemptFuture<S, B, Bu, M>
+where
+    S: Service<Request<B>>,
+    M: Metrics,
+{
+    /// A hedged call's driver, for its steps' unit tests.
+    pub(crate) fn hedge_driver(self: Pin<&mut Self>) -> Option<&mut HedgeFuture<S, B, Bu, M>> {
+        match self.project().state.project() {
+            StateProj::Hedged { future } => Some(future.as_mut().get_mut()),
+            _ => None,
+        }
+    }
+}
+
 impl<S, B, Bu, M> AttemptFuture<S, B, Bu, M>
 where
     S: Service<Request<B>>,

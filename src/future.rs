@@ -105,6 +105,25 @@ pin_project! {
     }
 }
 
+#[cfg(test)]
+impl<S, B, RB, Bu, M> ResponseFuture<S, Bu, B, RB, M>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    B: From<ReplayBody<B>> + Send + 'static,
+    Bu: Budget,
+    M: Metrics,
+{
+    /// A hedged call's driver, for its steps' unit tests.
+    pub(crate) fn hedge_driver(
+        self: Pin<&mut Self>,
+    ) -> Option<&mut crate::hedge::HedgeFuture<S, B, Bu, M>> {
+        match self.project().step.project() {
+            StepProj::First { future, .. } => future.hedge_driver(),
+            _ => None,
+        }
+    }
+}
+
 impl<S, B, RB, Bu, M> ResponseFuture<S, Bu, B, RB, M>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,

@@ -998,3 +998,6 @@ fn give_up<RB, Bu, M: Metrics>(
 fn gives_up_marked(policy: &RetryPolicy, sent: u32, refused: bool) -> bool {
     policy.retry_at_one_layer && (sent > 1 || (sent > 0 && refused))
 }
+
+#[cfg(test)]
+mod tests;
