@@ -18,15 +18,29 @@
 //!
 //! `ROW` runs only the rows named (`none`, `tower`, `fixed`, `adaptive`,
 //! `stress`), e.g. `-- 30 adaptive` to look at one row's spread.
+//!
+//! `-- RUNS lone` runs a second case instead: one `Channel` to one tonic
+//! server served with `serve_with_incoming` from a plain listener, as a
+//! careful user might write it, so that its sockets lack `TCP_NODELAY`
+//! (tonic's `serve` sets it; `serve_with_incoming` leaves the sockets as they
+//! come); 2 % of attempts take 200 ms, the rest 1 ms; 16 tasks send 5,000
+//! calls. Rows: no hedging, a fixed 10 ms hedge that resets its loser (the
+//! loser's future dropped, as `tower::hedge` does), and this crate's
+//! `HedgePolicy::new(2, 10 ms)`, whose losers are drained; each with the
+//! server's sockets as they come, then with `TCP_NODELAY` set. Beside the
+//! latencies: calls whose latency fell between 5 and 12 ms, and hedges the
+//! server received after it had already answered the call's first attempt
+//! (an answer that took more than the hedge delay to reach the client).
 
 #[path = "../tests/support/library.rs"]
 mod library;
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -40,6 +54,7 @@ use tokio_stream::StreamExt;
 use tonic::body::Body;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic_retry::balance::PreferUntried;
+use tonic_retry::marks::IDEMPOTENCY_KEY;
 use tonic_retry::{HedgePolicy, RetryBudget, RetryLayer, metrics::RetryMetrics};
 use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
 use tower::util::BoxCloneService;
@@ -357,14 +372,22 @@ fn ms(d: Duration) -> String {
 async fn main() {
     let mut args = std::env::args().skip(1);
     let runs: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1);
+    let mut lone = false;
     let mut rows: Vec<Row> = args
+        .filter(|a| {
+            lone |= a == "lone";
+            a != "lone"
+        })
         .map(|a| {
             Row::parse(&a).unwrap_or_else(|| {
-                eprintln!("no row named {a:?}: none, tower, fixed, adaptive or stress");
+                eprintln!("no row named {a:?}: none, tower, fixed, adaptive, stress, or lone");
                 std::process::exit(2)
             })
         })
         .collect();
+    if lone {
+        return lone_server(runs).await;
+    }
     if rows.is_empty() {
         rows = Row::ALL.to_vec();
     }
@@ -407,6 +430,275 @@ async fn main() {
                 result.capped.map_or("-".to_owned(), |c| c.to_string()),
                 ms(result.stall)
             );
+        }
+    }
+}
+
+const LONE_CALLS: usize = 5_000;
+const LONE_TASKS: usize = 16;
+
+/// How many delayed ACKs this machine's TCP has sent (Linux's
+/// `TcpExt: DelayedACKs`): ACKs a receiver held back, hoping to send each
+/// with data of its own, and sent alone when its timer ran out. `None` where
+/// the count cannot be read.
+fn delayed_acks() -> Option<u64> {
+    let netstat = std::fs::read_to_string("/proc/net/netstat").ok()?;
+    let mut lines = netstat.lines().filter(|line| line.starts_with("TcpExt:"));
+    let (names, values) = (lines.next()?, lines.next()?);
+    let at = names
+        .split_whitespace()
+        .position(|name| name == "DelayedACKs")?;
+    values.split_whitespace().nth(at)?.parse().ok()
+}
+
+/// The lone server's rows.
+#[derive(Clone, Copy, Debug)]
+enum Lone {
+    None,
+    Reset,
+    Layer,
+}
+
+impl Lone {
+    fn name(self) -> &'static str {
+        match self {
+            Lone::None => "no hedging",
+            Lone::Reset => "10 ms, loser reset",
+            Lone::Layer => "this crate, 10 ms",
+        }
+    }
+}
+
+/// What the server saw of each call, by its idempotency key: whether its
+/// first attempt was answered; and the attempts that came after that.
+#[derive(Default)]
+struct Seen {
+    answered: Mutex<HashMap<http::HeaderValue, bool>>,
+    after_answer: AtomicU64,
+}
+
+/// Watches the calls a server answers (outside its faults).
+#[derive(Clone)]
+struct Watch<S> {
+    inner: S,
+    seen: Arc<Seen>,
+}
+
+impl<S, B> Service<http::Request<B>> for Watch<S>
+where
+    S: Service<http::Request<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let key = req.headers().get(IDEMPOTENCY_KEY).cloned();
+        let first = key.as_ref().is_some_and(|key| {
+            let mut answered = self.seen.answered.lock().unwrap();
+            match answered.get(key) {
+                None => {
+                    answered.insert(key.clone(), false);
+                    true
+                }
+                Some(done) => {
+                    if *done {
+                        self.seen.after_answer.fetch_add(1, Ordering::Relaxed);
+                    }
+                    false
+                }
+            }
+        });
+        let answer = self.inner.call(req);
+        let seen = Arc::clone(&self.seen);
+        Box::pin(async move {
+            let response = answer.await;
+            if let (true, Some(key)) = (first, key) {
+                seen.answered.lock().unwrap().insert(key, true);
+            }
+            response
+        })
+    }
+}
+
+/// The lone server, its sockets with `TCP_NODELAY` only if `nodelay`.
+async fn lone_instance(nodelay: bool) -> (Instance, Arc<Seen>) {
+    let faults = FaultLayer::new("lone")
+        .unwrap()
+        .with(Rule::rate(0.02, Fault::slow(Duration::from_millis(200))).unwrap())
+        .with(Rule::always(Fault::slow(Duration::from_millis(1))));
+    let seen = Arc::new(Seen::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&accepted);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |stream| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        let stream = stream?;
+        if nodelay {
+            stream.set_nodelay(true)?;
+        }
+        Ok::<_, std::io::Error>(stream)
+    });
+    let watched = Arc::clone(&seen);
+    let server = Server::builder()
+        .layer(tower::layer::layer_fn(move |inner| Watch {
+            inner,
+            seen: Arc::clone(&watched),
+        }))
+        .layer(faults.clone())
+        .add_service(LibraryServer::new(Shelf::default()))
+        .serve_with_incoming(incoming);
+    tokio::spawn(server);
+    let instance = Instance {
+        addr,
+        faults,
+        accepted,
+    };
+    (instance, seen)
+}
+
+/// A fixed 10 ms hedge that resets its loser: the attempt that has not
+/// answered when the other does is dropped (its stream reset). Its attempts
+/// carry one key, as the layer's do, for the server's count.
+async fn reset_hedge(
+    channel: Channel,
+    req: http::Request<Bytes>,
+) -> Result<http::Response<Body>, BoxError> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let key = http::HeaderValue::from(NEXT.fetch_add(1, Ordering::Relaxed));
+    let attempt = || {
+        let mut attempt =
+            http::Request::new(Body::new(http_body_util::Full::new(req.body().clone())));
+        *attempt.method_mut() = req.method().clone();
+        *attempt.uri_mut() = req.uri().clone();
+        *attempt.headers_mut() = req.headers().clone();
+        attempt.headers_mut().insert(IDEMPOTENCY_KEY, key.clone());
+        channel.clone().oneshot(attempt)
+    };
+    let first = attempt();
+    tokio::pin!(first);
+    tokio::select! {
+        answer = &mut first => return answer.map_err(Into::into),
+        () = tokio::time::sleep(Duration::from_millis(10)) => {}
+    }
+    let second = attempt();
+    tokio::select! {
+        answer = first => answer.map_err(Into::into),
+        answer = second => answer.map_err(Into::into),
+    }
+}
+
+fn lone_stack(row: Lone, addr: SocketAddr) -> Boxed {
+    let channel = channel(addr);
+    match row {
+        Lone::None => BoxCloneService::new(channel.map_err(status)),
+        Lone::Reset => {
+            let inner = tower::service_fn(move |req: http::Request<Bytes>| {
+                reset_hedge(channel.clone(), req)
+            });
+            BoxCloneService::new(ServiceExt::<http::Request<Body>>::map_err(
+                BufferBody(inner),
+                status,
+            ))
+        }
+        Lone::Layer => {
+            let layer = RetryLayer::new(
+                HedgePolicy::new(2, Duration::from_millis(10)).unwrap(),
+                RetryBudget::new(1_000_000, 1.0).unwrap(),
+            );
+            BoxCloneService::new(
+                tower::Layer::layer(&layer, channel)
+                    .map_response(|r| r.map(Body::new))
+                    .map_err(status),
+            )
+        }
+    }
+}
+
+async fn lone_server(runs: usize) {
+    println!(
+        "{LONE_CALLS} calls, {LONE_TASKS} tasks, one Channel to one server answering in 1 ms (98 %) or 200 ms (2 %), served with serve_with_incoming"
+    );
+    for run in 1..=runs {
+        println!("\nrun {run}");
+        println!(
+            "  {:<34} {:>22} {:>7} {:>7} {:>10} {:>14} {:>11} {:>13}",
+            "",
+            "p50/p99/p99.9 ms",
+            "extra",
+            "failed",
+            "5-12 ms",
+            "after answer",
+            "reconnects",
+            "delayed ACKs"
+        );
+        for nodelay in [false, true] {
+            for row in [Lone::None, Lone::Reset, Lone::Layer] {
+                let (instance, seen) = lone_instance(nodelay).await;
+                let acks_before = delayed_acks();
+                let client = LibraryClient::new(lone_stack(row, instance.addr));
+                let next = Arc::new(AtomicUsize::new(0));
+                let tasks: Vec<_> = (0..LONE_TASKS)
+                    .map(|_| {
+                        let mut client = client.clone();
+                        let next = Arc::clone(&next);
+                        tokio::spawn(async move {
+                            let mut latencies = Vec::new();
+                            let mut failed = 0;
+                            while next.fetch_add(1, Ordering::Relaxed) < LONE_CALLS {
+                                let begun = Instant::now();
+                                let mut req =
+                                    tonic::Request::new(GetBookRequest { isbn: "1".into() });
+                                req.set_timeout(Duration::from_secs(2));
+                                match client.get_book(req).await {
+                                    Ok(_) => latencies.push(begun.elapsed()),
+                                    Err(_) => failed += 1,
+                                }
+                            }
+                            (latencies, failed)
+                        })
+                    })
+                    .collect();
+                let mut latencies = Vec::with_capacity(LONE_CALLS);
+                let mut failed = 0;
+                for task in tasks {
+                    let (l, f) = task.await.unwrap();
+                    latencies.extend(l);
+                    failed += f;
+                }
+                let acks = delayed_acks()
+                    .zip(acks_before)
+                    .map_or("-".to_owned(), |(after, before)| {
+                        (after - before).to_string()
+                    });
+                let between = latencies
+                    .iter()
+                    .filter(|l| (5..12).contains(&l.as_millis()))
+                    .count();
+                let p = percentiles(latencies);
+                let name = format!(
+                    "{}{}",
+                    row.name(),
+                    if nodelay { ", TCP_NODELAY" } else { "" }
+                );
+                println!(
+                    "  {:<34} {:>22} {:>6.2}% {:>7} {:>10} {:>14} {:>11} {:>13}",
+                    name,
+                    format!("{} / {} / {}", ms(p[0]), ms(p[1]), ms(p[2])),
+                    (instance.faults.requests() as f64 / LONE_CALLS as f64 - 1.0) * 100.0,
+                    failed,
+                    between,
+                    seen.after_answer.load(Ordering::Relaxed),
+                    instance.accepted.load(Ordering::Relaxed).saturating_sub(1),
+                    acks,
+                );
+            }
         }
     }
 }
