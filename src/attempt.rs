@@ -33,14 +33,14 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::classify::{is_timeout, status_in};
-use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, format_repeating, timer_at};
+use crate::deadline::{GRPC_TIMEOUT, format_grpc_timeout, timer_at};
 use crate::drain::{Drain, Drainer};
+use crate::first::{FirstTimeout, say_first_timeout};
 use crate::hedge::HedgeFuture;
 use crate::marks::ATTEMPT_TIMEOUT_NAME;
 use crate::marks::AlreadyTried;
 use crate::methods::PolicyRef;
 use crate::metrics::{Event, RetryMetrics};
-use crate::policy::RetryPolicy;
 use crate::replay::{Lingering, ReplayBody, ReplayError};
 use crate::shared::Local;
 use crate::status::{StatusHeaders, code_at_headers};
@@ -99,100 +99,6 @@ fn sooner(a: Option<(Instant, Cut)>, b: Option<(Instant, Cut)>) -> Option<(Insta
         (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
         (a, b) => a.or(b),
     }
-}
-
-/// What a call's first attempt says its time is, if it is sent at once.
-///
-/// An attempt says the time left to the call's deadline, rounded up, in
-/// `grpc-timeout`: a value that differs on every call, sent as a literal
-/// HPACK never indexes (name and value, Huffman-coded by the client and
-/// decoded, then allocated, by the server, on every call). A first attempt
-/// sent at once says the call's timeout itself instead, as tonic's own
-/// client does: the caller's header left as it is, or the layer's timeout
-/// (a policy's, the same on every call, so HPACK indexes it and sends it
-/// again as one byte). "At once" is within a thousandth of the timeout and
-/// at most a millisecond of the call setting its deadline: no more than
-/// that is added to the time the server is told, which is never less than
-/// the time left (`cargo bench --bench instructions`, stack `c-deadline`).
-///
-/// The caller's header goes as the caller made it, sensitive or not: a
-/// caller passing on a deadline of its own, a different value on every
-/// call, keeps it out of HPACK's table by marking it sensitive, as it would
-/// without the layer.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct FirstTimeout {
-    /// When the call set its deadline.
-    pub(crate) started: Instant,
-    /// The call's timeout: its deadline less `started`.
-    // NOTE: kept, though derivable: computed from the deadline where the
-    // attempt is sent, it cost every call with a deadline 63 instructions.
-    pub(crate) timeout: Duration,
-    /// Whose timeout it is.
-    pub(crate) said: Said,
-}
-
-/// Whose timeout set a call's deadline, and so what its first attempt sent
-/// at once says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Said {
-    /// The caller's one `grpc-timeout` header, which stays as it is.
-    Callers,
-    /// The policy's total timeout.
-    Total,
-    /// The policy's cap on a method's calls.
-    Max,
-}
-
-impl FirstTimeout {
-    /// The most a first attempt sent at once may be sent after the call set
-    /// its deadline.
-    const AT_ONCE: Duration = Duration::from_millis(1);
-
-    /// Whether an attempt sent at `now` is sent at once.
-    fn at_once(&self, now: Instant) -> bool {
-        // A timeout of a second or more allows the whole millisecond: no
-        // division, as most timeouts are.
-        let limit = if self.timeout >= Duration::from_secs(1) {
-            Self::AT_ONCE
-        } else {
-            self.timeout / 1000
-        };
-        self.started
-            .checked_add(limit)
-            .is_some_and(|until| now <= until)
-    }
-}
-
-/// Writes the `grpc-timeout` of a call's first attempt, sent at `now`, under
-/// the call's `deadline`.
-// NOTE: out of line: inlined, it made `RetryService::call` large enough that
-// the compiler stopped inlining the header map's insert of the key, a cost
-// on every call.
-#[inline(never)]
-fn say_first_timeout(
-    headers: &mut HeaderMap,
-    timeout: Option<FirstTimeout>,
-    policy: &RetryPolicy,
-    deadline: Instant,
-    now: Instant,
-) {
-    let Some(first) = timeout.filter(|first| first.at_once(now)) else {
-        set_timeout(headers, Some(deadline), now);
-        return;
-    };
-    let policys = match first.said {
-        // The caller's header stays, as it is.
-        Said::Callers => return,
-        Said::Total => &policy.total_timeout,
-        Said::Max => &policy.max_timeout,
-    };
-    // NOTE: `said` was read from this policy, so its timeout is there; the
-    // call's own timeout formatted keeps this total without a panic.
-    let value = match policys {
-        Some(timeout) => timeout.header(),
-        None => format_repeating(first.timeout),
-    };
-    headers.insert(GRPC_TIMEOUT, value);
 }
 
 /// Which limit ended an attempt.
@@ -781,7 +687,7 @@ fn say_time(
 }
 
 /// Sends the call's deadline to the server as `grpc-timeout`.
-fn set_timeout(headers: &mut HeaderMap, deadline: Option<Instant>, now: Instant) {
+pub(crate) fn set_timeout(headers: &mut HeaderMap, deadline: Option<Instant>, now: Instant) {
     if let Some(deadline) = deadline {
         let left = deadline.saturating_duration_since(now);
         headers.insert(GRPC_TIMEOUT, format_grpc_timeout(left));
@@ -1162,31 +1068,3 @@ fn outcome<RB, M: Metrics>(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn at_once_is_a_thousandth_of_the_timeout_and_at_most_a_millisecond() {
-        let started = Instant::now();
-        let ns = Duration::from_nanos(1);
-        for (timeout, limit) in [
-            (Duration::from_secs(3_600), Duration::from_millis(1)),
-            (Duration::from_secs(1), Duration::from_millis(1)),
-            (Duration::from_secs(1) - ns, Duration::from_nanos(999_999)),
-            (Duration::from_millis(500), Duration::from_micros(500)),
-            (Duration::from_micros(999), Duration::from_nanos(999)),
-            (Duration::from_nanos(999), Duration::ZERO),
-            (Duration::ZERO, Duration::ZERO),
-        ] {
-            let first = FirstTimeout {
-                started,
-                timeout,
-                said: Said::Callers,
-            };
-            assert!(first.at_once(started), "{timeout:?}");
-            assert!(first.at_once(started + limit), "{timeout:?}");
-            assert!(!first.at_once(started + limit + ns), "{timeout:?}");
-        }
-    }
-}

@@ -8,7 +8,6 @@
 //! token itself is taken when the retry is sent (in the attempt), so that only
 //! attempts really sent are paid for.
 
-use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,8 +16,7 @@ use std::time::Duration;
 
 use crate::budget::Budget;
 use http::{
-    Extensions, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri,
-    Version, request,
+    Extensions, HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, request,
 };
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
@@ -31,7 +29,7 @@ use crate::classify::{
     Verdict, classify_error, classify_response, classify_timeout, describe, is_refused_stream,
     repair_status_details,
 };
-use crate::deadline::GRPC_TIMEOUT;
+use crate::first::FirstCopy;
 use crate::marks::{ALREADY_TRIED, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS};
 use crate::methods::PolicyRef;
 use crate::metrics::{Event, RetryMetrics};
@@ -197,164 +195,6 @@ impl<B> RetryCopy<B> for Request<ReplayBody<B>> {
 
     fn extensions_mut(&mut self) -> &mut Extensions {
         self.extensions_mut()
-    }
-}
-
-/// The copy of a call's request that its first retry is made from, kept
-/// while the first attempt runs.
-///
-/// Its headers are a list, not a [`HeaderMap`]: a map's copy is two
-/// allocations and its index, made and dropped on every call, and most
-/// calls are never retried. The map is built again only for a retry
-/// ([`into_request`](Self::into_request)); tower's `Retry` copies that one
-/// whole for the retries after it.
-pub(crate) struct FirstCopy<B> {
-    method: Method,
-    uri: Uri,
-    version: Version,
-    headers: HeaderList,
-    extensions: Extensions,
-    body: ReplayBody<B>,
-}
-
-/// Every value of every header of a first copy, in the request's order.
-///
-/// Most copies are dropped unused (their call succeeded at once), so the
-/// list's allocation is not given back to the allocator with them: a thread
-/// keeps up to [`KEPT_LISTS`] emptied lists for its next calls' copies.
-struct HeaderList(Vec<(HeaderName, HeaderValue)>);
-
-/// How many emptied lists a thread keeps.
-const KEPT_LISTS: usize = 16;
-
-/// The most values a list kept may have room for: a request with more
-/// headers than that is rare, and its list is freed.
-const KEPT_CAPACITY: usize = 32;
-
-thread_local! {
-    /// This thread's emptied lists.
-    static LISTS: RefCell<Vec<Vec<(HeaderName, HeaderValue)>>> =
-        const { RefCell::new(Vec::new()) };
-}
-
-impl HeaderList {
-    /// An empty list with room for `len` values: one the thread kept, if
-    /// any.
-    #[inline]
-    fn with_capacity(len: usize) -> Self {
-        let mut list = LISTS
-            .try_with(|lists| {
-                lists
-                    .try_borrow_mut()
-                    .ok()
-                    .and_then(|mut lists| lists.pop())
-            })
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        list.reserve(len);
-        Self(list)
-    }
-}
-
-impl Drop for HeaderList {
-    fn drop(&mut self) {
-        let mut list = std::mem::take(&mut self.0);
-        list.clear();
-        if list.capacity() == 0 || list.capacity() > KEPT_CAPACITY {
-            return;
-        }
-        // A thread that is ending, or has enough lists, frees it.
-        let _ = LISTS.try_with(move |lists| {
-            if let Ok(mut lists) = lists.try_borrow_mut()
-                && lists.len() < KEPT_LISTS
-            {
-                lists.push(list);
-            }
-        });
-    }
-}
-
-impl<B> FirstCopy<B> {
-    /// A copy of the request of `head` and `body`, its body a clone that
-    /// reads it again from its start; without its `grpc-timeout` if
-    /// `retimed`, as every retry of a call with a deadline says its own.
-    // NOTE: a `grpc-timeout` made by tonic is a value made from a `Vec`,
-    // whose first clone allocates to share it; a retry writes over it.
-    #[inline(always)]
-    fn of(head: &request::Parts, body: &ReplayBody<B>, retimed: bool) -> Self {
-        let mut headers = HeaderList::with_capacity(head.headers.len());
-        for (name, value) in &head.headers {
-            if retimed && name == GRPC_TIMEOUT {
-                continue;
-            }
-            headers.0.push((name.clone(), value.clone()));
-        }
-        Self {
-            method: head.method.clone(),
-            uri: head.uri.clone(),
-            version: head.version,
-            headers,
-            extensions: head.extensions.clone(),
-            body: body.clone(),
-        }
-    }
-
-    /// The request the first retry sends.
-    pub(crate) fn into_request(self) -> Request<ReplayBody<B>> {
-        // NOTE: sized by values, not names: a map holds any number of
-        // values for its at most 24,576 names, and its capacity is bounded,
-        // so a request with more values grows its map as it is filled.
-        let mut list = self.headers;
-        let mut headers = HeaderMap::try_with_capacity(list.0.len()).unwrap_or_default();
-        for (name, value) in list.0.drain(..) {
-            headers.append(name, value);
-        }
-        drop(list);
-        let mut req = Request::new(self.body);
-        *req.method_mut() = self.method;
-        *req.uri_mut() = self.uri;
-        *req.version_mut() = self.version;
-        *req.headers_mut() = headers;
-        *req.extensions_mut() = self.extensions;
-        req
-    }
-}
-
-impl<B> RetryCopy<B> for FirstCopy<B> {
-    fn body(&self) -> &ReplayBody<B> {
-        &self.body
-    }
-
-    fn body_mut(&mut self) -> &mut ReplayBody<B> {
-        &mut self.body
-    }
-
-    fn header(&self, name: &HeaderName) -> Option<&HeaderValue> {
-        self.headers
-            .0
-            .iter()
-            .find_map(|(n, value)| (n == name).then_some(value))
-    }
-
-    fn set_header(&mut self, name: HeaderName, value: HeaderValue) {
-        // As `HeaderMap::insert`: the value takes the header's place, where
-        // it had one, and its other values go.
-        let headers = &mut self.headers.0;
-        let Some(at) = headers.iter().position(|(n, _)| *n == name) else {
-            headers.push((name, value));
-            return;
-        };
-        headers[at].1 = value;
-        let mut i = 0;
-        headers.retain(|(n, _)| {
-            i += 1;
-            i <= at + 1 || *n != name
-        });
-    }
-
-    fn extensions_mut(&mut self) -> &mut Extensions {
-        &mut self.extensions
     }
 }
 
@@ -1167,40 +1007,6 @@ mod tests {
         headers.append("x-tag", HeaderValue::from_static("second"));
         headers.append("x-other", HeaderValue::from_static("other"));
         req
-    }
-
-    #[test]
-    fn a_thread_keeps_the_lists_its_copies_dropped_emptied_and_bounded() {
-        // Run on a thread of its own: the thread's lists are this test's.
-        std::thread::spawn(|| {
-            let value = bytes::Bytes::from(vec![b'v'; 8]);
-            let list = |len: usize| {
-                let mut list = HeaderList::with_capacity(len);
-                for _ in 0..len {
-                    let value = HeaderValue::from_maybe_shared(value.clone()).unwrap();
-                    list.0.push((HeaderName::from_static("x-tag"), value));
-                }
-                list
-            };
-            let first = list(4);
-            let at = first.0.as_ptr();
-            drop(first);
-            assert!(value.is_unique(), "a list kept holds no value");
-            let again = list(4);
-            assert_eq!(again.0.as_ptr(), at, "the next copy's list is the one kept");
-            drop(again);
-
-            let kept = || LISTS.with(|lists| lists.borrow().len());
-            assert_eq!(kept(), 1);
-            drop(list(KEPT_CAPACITY + 1));
-            assert_eq!(kept(), 0, "a list past the capacity kept is freed");
-            let lists: Vec<_> = (0..KEPT_LISTS + 4).map(|_| list(2)).collect();
-            drop(lists);
-            assert_eq!(kept(), KEPT_LISTS);
-            assert!(value.is_unique());
-        })
-        .join()
-        .unwrap();
     }
 
     #[test]

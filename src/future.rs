@@ -11,10 +11,11 @@ use pin_project_lite::pin_project;
 use tokio_util::sync::DropGuard;
 use tower_service::Service;
 
-use crate::attempt::{Attempt, AttemptFuture, FirstTimeout};
+use crate::attempt::{Attempt, AttemptFuture};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
-use crate::call::{Backoff, CallRetry, FirstCopy, failure_response};
+use crate::call::{Backoff, CallRetry, failure_response};
+use crate::first::{FirstCopy, FirstTimeout};
 use crate::replay::ReplayBody;
 use crate::trace::{CallEnd, Metrics, NoMetrics};
 

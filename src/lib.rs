@@ -284,6 +284,7 @@ mod drain;
 mod error;
 #[cfg(feature = "fault")]
 pub mod fault;
+mod first;
 pub mod future;
 mod hedge;
 mod layer;

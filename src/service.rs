@@ -12,12 +12,13 @@ use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
-use crate::attempt::{Attempt, FirstTimeout, Limits, Said};
+use crate::attempt::{Attempt, Limits};
 use crate::body::ResponseBody;
 use crate::budget::RetryBudget;
 use crate::call::CallRetry;
 use crate::deadline::{GRPC_TIMEOUT, parse_grpc_timeout};
 use crate::drain::{self, Drainer};
+use crate::first::{FirstTimeout, Said};
 use crate::future::ResponseFuture;
 use crate::marks::{
     ALREADY_TRIED, ATTEMPT_TIMEOUT, AlreadyTried, IDEMPOTENCY_KEY, PREVIOUS_ATTEMPTS,
