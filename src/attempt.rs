@@ -1067,4 +1067,3 @@ fn outcome<RB, M: Metrics>(
         }
     }
 }
-

@@ -256,3 +256,176 @@ impl Kept {
         first + rest.sum::<u64>()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layers_memory_never_overflows_nor_passes_its_limit() {
+        let memory = ReplayMemory::new(10);
+        assert!(memory.try_reserve(0, 10));
+        assert!(!memory.try_reserve(0, 1), "full");
+        memory.release(0, 4);
+        assert!(
+            !memory.try_reserve(0, usize::MAX),
+            "an overflowing reservation is refused"
+        );
+        assert!(memory.try_reserve(0, 4));
+        assert_eq!(memory.used(), 10);
+        let unbounded = ReplayMemory::new(usize::MAX);
+        assert!(unbounded.try_reserve(0, usize::MAX));
+        assert!(!unbounded.try_reserve(1, 1));
+    }
+
+    #[test]
+    fn bytes_a_stripe_holds_spare_are_room_for_any_other_stripe() {
+        let memory = ReplayMemory::new(1 << 20);
+        // Stripe 0 is granted bytes ahead, and keeps them when its copy goes.
+        assert!(memory.try_reserve(0, 3000));
+        memory.release(0, 3000);
+        assert_eq!(memory.used(), 0, "spare bytes are held by no copy");
+        // The whole limit is still room for a copy counted elsewhere.
+        assert!(memory.try_reserve(1, 1 << 20));
+        assert_eq!(memory.used(), 1 << 20);
+        for stripe in 0..STRIPES {
+            assert!(!memory.try_reserve(stripe, 1), "full, from stripe {stripe}");
+        }
+        memory.release(1, 1 << 20);
+        assert_eq!(memory.used(), 0);
+        assert!(memory.try_reserve(2, 1 << 20), "all of it back");
+    }
+
+    #[test]
+    fn a_stripes_copies_write_no_shared_count_once_it_holds_bytes_ahead() {
+        let memory = ReplayMemory::new(ReplayMemory::DEFAULT_LIMIT);
+        assert!(memory.try_reserve(5, 16));
+        memory.release(5, 16);
+        let granted = memory.granted.load(Ordering::Relaxed);
+        // Unary calls one after another, and up to a grain's worth at once.
+        for size in [16, 4 << 10, 60 << 10] {
+            for _ in 0..1_000 {
+                assert!(memory.try_reserve(5, size));
+                memory.release(5, size);
+            }
+        }
+        let held: Vec<usize> = (0..16).map(|n| 1 + n * 250).collect();
+        for &size in &held {
+            assert!(memory.try_reserve(5, size));
+        }
+        for &size in &held {
+            memory.release(5, size);
+        }
+        assert_eq!(
+            memory.granted.load(Ordering::Relaxed),
+            granted,
+            "the shared count was not written again"
+        );
+        assert_eq!(memory.used(), 0);
+    }
+
+    #[test]
+    fn copies_larger_than_a_grain_that_fit_together_are_never_refused() {
+        // A stripe giving spare bytes back (past twice its grain) while a
+        // copy is refused elsewhere.
+        const LIMIT: usize = 1 << 20;
+        let small = 3 * ReplayMemory::grain(LIMIT);
+        let memory = ReplayMemory::new(LIMIT);
+        let sizes = [LIMIT - small, small];
+        let refused: Vec<usize> = std::thread::scope(|scope| {
+            let threads: Vec<_> = sizes
+                .iter()
+                .enumerate()
+                .map(|(stripe, &size)| {
+                    let memory = &memory;
+                    scope.spawn(move || {
+                        let mut refused = 0;
+                        for _ in 0..50_000 {
+                            if memory.try_reserve(stripe, size) {
+                                memory.release(stripe, size);
+                            } else {
+                                refused += 1;
+                            }
+                        }
+                        refused
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert_eq!(refused, [0, 0], "refused, by stripe");
+        assert_eq!(memory.used(), 0);
+    }
+
+    #[test]
+    fn calls_through_a_handle_each_count_in_their_threads_stripe() {
+        use crate::shared::{Local, Shared};
+        // tonic's clients are cloned for each call: a service handle each.
+        std::thread::spawn(|| {
+            let policies = crate::MethodPolicies::from(crate::RetryPolicy::default());
+            let budget = crate::RetryBudget::new(10, 0.1).unwrap();
+            let shared = Shared::new(policies, budget);
+            for _ in 0..100 {
+                let handle: Arc<dyn Account> = Local::new(&shared, crate::trace::NoMetrics);
+                assert!(handle.try_reserve(16));
+                handle.release(16);
+            }
+            let memory = &shared.replay_memory;
+            let spare: Vec<usize> = memory
+                .spare
+                .iter()
+                .map(|s| s.0.load(Ordering::Relaxed))
+                .collect();
+            let mine = thread_stripe();
+            assert!(spare[mine] > 0, "the thread's stripe holds bytes ahead");
+            assert_eq!(
+                spare.iter().filter(|&&s| s > 0).count(),
+                1,
+                "no other stripe was written: {spare:?}"
+            );
+            assert_eq!(memory.used(), 0);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_lowered_limit_holds_for_bytes_granted_ahead_under_the_old_one() {
+        let memory = ReplayMemory::new(1 << 20);
+        // Stripe 0 keeps bytes granted ahead under the first limit.
+        assert!(memory.try_reserve(0, 100));
+        memory.release(0, 100);
+        assert!(memory.try_reserve(1, 500 << 10));
+        memory.set_limit(500 << 10);
+        assert!(
+            !memory.try_reserve(0, 100),
+            "stripe 0's spare bytes are no room past the lowered limit"
+        );
+        assert_eq!(memory.used(), 500 << 10);
+        memory.release(1, 500 << 10);
+        assert!(memory.try_reserve(0, 500 << 10), "what fits under it does");
+        assert!(!memory.try_reserve(1, 1));
+        assert_eq!(memory.used(), 500 << 10);
+    }
+
+    #[test]
+    fn copies_that_fit_together_are_never_refused_whatever_their_stripes_do_at_once() {
+        // Each thread holds at most its copy; together they fill the limit
+        // exactly, so every reservation fits whatever the order.
+        const LIMIT: usize = 1 << 20;
+        let memory = ReplayMemory::new(LIMIT);
+        let sizes = [LIMIT - 3000, 1000, 2000];
+        std::thread::scope(|scope| {
+            for (stripe, &size) in sizes.iter().enumerate() {
+                let memory = &memory;
+                scope.spawn(move || {
+                    for _ in 0..20_000 {
+                        assert!(memory.try_reserve(stripe, size), "stripe {stripe} refused");
+                        memory.release(stripe, size);
+                    }
+                });
+            }
+        });
+        assert_eq!(memory.used(), 0);
+    }
+}
