@@ -26,11 +26,14 @@
 //! come); 2 % of attempts take 200 ms, the rest 1 ms; 16 tasks send 5,000
 //! calls. Rows: no hedging, a fixed 10 ms hedge that resets its loser (the
 //! loser's future dropped, as `tower::hedge` does), and this crate's
-//! `HedgePolicy::new(2, 10 ms)`, whose losers are drained; each with the
+//! `HedgePolicy::new(2, 10 ms)`, whose losers are drained (with its default
+//! 5 % extra-load cap: `capped` counts the hedges it refused); each with the
 //! server's sockets as they come, then with `TCP_NODELAY` set. Beside the
-//! latencies: calls whose latency fell between 5 and 12 ms, and hedges the
-//! server received after it had already answered the call's first attempt
-//! (an answer that took more than the hedge delay to reach the client).
+//! latencies: calls whose latency was at least 5 ms and under 12 ms, hedges
+//! the server received after it had already answered the call's first
+//! attempt (an answer that took more than the hedge delay to reach the
+//! client), and the delayed ACKs the whole machine sent meanwhile (Linux's
+//! `TcpExt: DelayedACKs`).
 
 #[path = "../tests/support/library.rs"]
 mod library;
@@ -594,9 +597,10 @@ async fn reset_hedge(
     }
 }
 
-fn lone_stack(row: Lone, addr: SocketAddr) -> Boxed {
+/// The lone server's row's client stack, and the layer's counters for its row.
+fn lone_stack(row: Lone, addr: SocketAddr) -> (Boxed, Option<RetryMetrics>) {
     let channel = channel(addr);
-    match row {
+    let stack = match row {
         Lone::None => BoxCloneService::new(channel.map_err(status)),
         Lone::Reset => {
             let inner = tower::service_fn(move |req: http::Request<Bytes>| {
@@ -608,17 +612,22 @@ fn lone_stack(row: Lone, addr: SocketAddr) -> Boxed {
             ))
         }
         Lone::Layer => {
+            // As a user would write it: the policy's default extra-load cap
+            // (5 %) stays, and the row says how many hedges it refused.
             let layer = RetryLayer::new(
                 HedgePolicy::new(2, Duration::from_millis(10)).unwrap(),
                 RetryBudget::new(1_000_000, 1.0).unwrap(),
             );
-            BoxCloneService::new(
+            let metrics = layer.metrics().clone();
+            let stack = BoxCloneService::new(
                 tower::Layer::layer(&layer, channel)
                     .map_response(|r| r.map(Body::new))
                     .map_err(status),
-            )
+            );
+            return (stack, Some(metrics));
         }
-    }
+    };
+    (stack, None)
 }
 
 async fn lone_server(runs: usize) {
@@ -628,7 +637,7 @@ async fn lone_server(runs: usize) {
     for run in 1..=runs {
         println!("\nrun {run}");
         println!(
-            "  {:<34} {:>22} {:>7} {:>7} {:>10} {:>14} {:>11} {:>13}",
+            "  {:<34} {:>22} {:>7} {:>7} {:>10} {:>14} {:>11} {:>7} {:>13}",
             "",
             "p50/p99/p99.9 ms",
             "extra",
@@ -636,13 +645,15 @@ async fn lone_server(runs: usize) {
             "5-12 ms",
             "after answer",
             "reconnects",
+            "capped",
             "delayed ACKs"
         );
         for nodelay in [false, true] {
             for row in [Lone::None, Lone::Reset, Lone::Layer] {
                 let (instance, seen) = lone_instance(nodelay).await;
                 let acks_before = delayed_acks();
-                let client = LibraryClient::new(lone_stack(row, instance.addr));
+                let (stack, metrics) = lone_stack(row, instance.addr);
+                let client = LibraryClient::new(stack);
                 let next = Arc::new(AtomicUsize::new(0));
                 let tasks: Vec<_> = (0..LONE_TASKS)
                     .map(|_| {
@@ -688,7 +699,7 @@ async fn lone_server(runs: usize) {
                     if nodelay { ", TCP_NODELAY" } else { "" }
                 );
                 println!(
-                    "  {:<34} {:>22} {:>6.2}% {:>7} {:>10} {:>14} {:>11} {:>13}",
+                    "  {:<34} {:>22} {:>6.2}% {:>7} {:>10} {:>14} {:>11} {:>7} {:>13}",
                     name,
                     format!("{} / {} / {}", ms(p[0]), ms(p[1]), ms(p[2])),
                     (instance.faults.requests() as f64 / LONE_CALLS as f64 - 1.0) * 100.0,
@@ -696,6 +707,7 @@ async fn lone_server(runs: usize) {
                     between,
                     seen.after_answer.load(Ordering::Relaxed),
                     instance.accepted.load(Ordering::Relaxed).saturating_sub(1),
+                    metrics.map_or("-".to_owned(), |m| m.hedges_capped().to_string()),
                     acks,
                 );
             }

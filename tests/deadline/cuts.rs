@@ -323,7 +323,7 @@ async fn read_after(response: Response<Body>, wait: Duration) -> (Code, Duration
     send.send_response(response);
     let response = call.await.unwrap().unwrap();
     tokio::time::advance(wait).await;
-    let code = bounded(read_to_end(response)).await;
+    let code = bounded_paused(read_to_end(response)).await;
     (code, Instant::now() - start)
 }
 
