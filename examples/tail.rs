@@ -299,26 +299,24 @@ async fn probe(done: Arc<std::sync::atomic::AtomicBool>) -> Duration {
     worst
 }
 
-async fn run_row(row: Row) -> RowResult {
-    let instances = [
-        instance("a").await,
-        instance("b").await,
-        instance("c").await,
-    ];
-    let (stack, metrics) = stack(row, &instances);
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let prober = tokio::spawn(probe(Arc::clone(&done)));
-    let client = LibraryClient::new(stack);
+/// Sends `calls` calls from `tasks` tasks through `client`, each with a 2 s
+/// deadline: each successful call's start (after `start`) and latency, and
+/// the calls that failed.
+async fn drive(
+    client: LibraryClient<Boxed>,
+    calls: usize,
+    tasks: usize,
+    start: Instant,
+) -> (Vec<(Duration, Duration)>, usize) {
     let next = Arc::new(AtomicUsize::new(0));
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..TASKS)
+    let tasks: Vec<_> = (0..tasks)
         .map(|_| {
             let mut client = client.clone();
             let next = Arc::clone(&next);
             tokio::spawn(async move {
                 let mut latencies = Vec::new();
                 let mut failed = 0;
-                while next.fetch_add(1, Ordering::Relaxed) < CALLS {
+                while next.fetch_add(1, Ordering::Relaxed) < calls {
                     let begun = Instant::now();
                     let mut req = tonic::Request::new(GetBookRequest { isbn: "1".into() });
                     req.set_timeout(Duration::from_secs(2));
@@ -331,13 +329,28 @@ async fn run_row(row: Row) -> RowResult {
             })
         })
         .collect();
-    let mut latencies = Vec::with_capacity(CALLS);
+    let mut latencies = Vec::with_capacity(calls);
     let mut failed = 0;
     for task in tasks {
         let (l, f) = task.await.unwrap();
         latencies.extend(l);
         failed += f;
     }
+    (latencies, failed)
+}
+
+async fn run_row(row: Row) -> RowResult {
+    let instances = [
+        instance("a").await,
+        instance("b").await,
+        instance("c").await,
+    ];
+    let (stack, metrics) = stack(row, &instances);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = tokio::spawn(probe(Arc::clone(&done)));
+    let client = LibraryClient::new(stack);
+    let start = Instant::now();
+    let (latencies, failed) = drive(client, CALLS, TASKS, start).await;
     done.store(true, Ordering::Relaxed);
     let stall = prober.await.unwrap();
     let requests: u64 = instances.iter().map(|i| i.faults.requests()).sum();
@@ -654,35 +667,9 @@ async fn lone_server(runs: usize) {
                 let acks_before = delayed_acks();
                 let (stack, metrics) = lone_stack(row, instance.addr);
                 let client = LibraryClient::new(stack);
-                let next = Arc::new(AtomicUsize::new(0));
-                let tasks: Vec<_> = (0..LONE_TASKS)
-                    .map(|_| {
-                        let mut client = client.clone();
-                        let next = Arc::clone(&next);
-                        tokio::spawn(async move {
-                            let mut latencies = Vec::new();
-                            let mut failed = 0;
-                            while next.fetch_add(1, Ordering::Relaxed) < LONE_CALLS {
-                                let begun = Instant::now();
-                                let mut req =
-                                    tonic::Request::new(GetBookRequest { isbn: "1".into() });
-                                req.set_timeout(Duration::from_secs(2));
-                                match client.get_book(req).await {
-                                    Ok(_) => latencies.push(begun.elapsed()),
-                                    Err(_) => failed += 1,
-                                }
-                            }
-                            (latencies, failed)
-                        })
-                    })
-                    .collect();
-                let mut latencies = Vec::with_capacity(LONE_CALLS);
-                let mut failed = 0;
-                for task in tasks {
-                    let (l, f) = task.await.unwrap();
-                    latencies.extend(l);
-                    failed += f;
-                }
+                let (latencies, failed) =
+                    drive(client, LONE_CALLS, LONE_TASKS, Instant::now()).await;
+                let latencies: Vec<Duration> = latencies.into_iter().map(|(_, l)| l).collect();
                 let acks = delayed_acks()
                     .zip(acks_before)
                     .map_or("-".to_owned(), |(after, before)| {

@@ -481,17 +481,23 @@ fn frame_kind(frame: Option<Result<Frame<Bytes>, BoxError>>) -> String {
     }
 }
 
+/// Attempts 1 and 2 of a hedged call whose body is `template`, both sent.
+fn two_hedges(template: &ReplayBody<Source>) -> (ReplayBody<Source>, ReplayBody<Source>) {
+    template.set_concurrent();
+    let mut first = template.clone();
+    first.set_attempt(1);
+    first.sent();
+    let mut second = template.clone();
+    second.set_attempt(2);
+    second.sent();
+    (first, second)
+}
+
 #[tokio::test]
 async fn a_hedged_call_committed_then_released_lets_its_winner_read_on() {
     let (tx, source) = fixture_source();
     let template = ReplayBody::hedged(source, 64, None);
-    template.set_concurrent();
-    let mut winner = template.clone();
-    winner.set_attempt(1);
-    winner.sent();
-    let mut loser = template.clone();
-    loser.set_attempt(2);
-    loser.sent();
+    let (mut winner, mut loser) = two_hedges(&template);
     tx.send(data("x")).unwrap();
     assert_eq!(frame_kind(winner.frame().await), "x");
     template.release_to(1);
@@ -507,13 +513,7 @@ async fn a_call_released_stays_released_when_a_hedge_commits_after() {
     let (tx, source) = fixture_source();
     let account = Arc::clone(&memory) as Arc<dyn Account>;
     let template = ReplayBody::hedged(source, 64, Some(account));
-    template.set_concurrent();
-    let mut first = template.clone();
-    first.set_attempt(1);
-    first.sent();
-    let mut second = template.clone();
-    second.set_attempt(2);
-    second.sent();
+    let (mut first, _second) = two_hedges(&template);
     tx.send(data("x")).unwrap();
     assert_eq!(frame_kind(first.frame().await), "x");
     template.release();
@@ -555,12 +555,7 @@ async fn a_drain_started_after_the_release_finds_its_clone_released() {
 async fn a_commit_to_an_attempt_out_of_range_leaves_the_call_released() {
     let (_tx, source) = fixture_source();
     let template = ReplayBody::hedged(source, 64, None);
-    let mut first = template.clone();
-    first.set_attempt(1);
-    first.sent();
-    let mut second = template.clone();
-    second.set_attempt(2);
-    second.sent();
+    let (_first, second) = two_hedges(&template);
     template.release_to(1);
     template.release_to(7);
     assert_eq!(template.replay_state(), Err(ReplayError::Released));
