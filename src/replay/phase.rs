@@ -280,10 +280,9 @@ impl<B> Shared<B> {
             return self.finalize(UNSENT);
         };
         self.phase = Phase::Only(slot.epoch);
-        let live = &self.readers;
-        if slot.pos >= self.copy.read
-            || (live.live == slot.epoch && live.live_pos >= self.copy.read)
-        {
+        let readers = &self.readers;
+        let live_done = readers.live == slot.epoch && readers.live_pos >= self.copy.read;
+        if slot.pos >= self.copy.read || live_done {
             self.copy.drop_copy();
         }
     }
@@ -296,13 +295,7 @@ impl<B> Shared<B> {
         if self.phase != Phase::Open {
             return;
         }
-        let others_alive = self
-            .readers
-            .hedged
-            .iter()
-            .zip(1..)
-            .any(|(slot, n)| slot.alive && n != number);
-        if !others_alive {
+        if !self.readers.others_alive(number) {
             self.release_to_attempt(number);
         } else if number != 0 {
             self.phase = Phase::Losers(number);
@@ -318,16 +311,10 @@ impl<B> Shared<B> {
         {
             slot.alive = false;
         }
-        if let Phase::Losers(heir) = self.phase {
-            let others_alive = self
-                .readers
-                .hedged
-                .iter()
-                .zip(1..)
-                .any(|(slot, n)| slot.alive && n != heir);
-            if !others_alive {
-                self.release_to_attempt(heir);
-            }
+        if let Phase::Losers(heir) = self.phase
+            && !self.readers.others_alive(heir)
+        {
+            self.release_to_attempt(heir);
         }
     }
 

@@ -110,6 +110,17 @@ pub(super) struct Hedged {
     pub(super) alive: bool,
 }
 
+impl Readers {
+    /// Whether a hedged call's attempt other than `number` has its clone
+    /// alive.
+    pub(super) fn others_alive(&self, number: u8) -> bool {
+        self.hedged
+            .iter()
+            .zip(1..)
+            .any(|(slot, n)| slot.alive && n != number)
+    }
+}
+
 impl Default for Hedged {
     fn default() -> Self {
         Hedged {
