@@ -14,7 +14,6 @@ use tonic_retry::{
     CallPolicy, HedgePolicy, RetryBudget, RetryLayer, RetryPolicy, RetryService,
     marks::IDEMPOTENCY_KEY,
 };
-use tower::ServiceBuilder;
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -22,11 +21,7 @@ fn client(
     server: &RawServer,
     policy: RetryPolicy,
 ) -> (LibraryClient<RetryService<Channel>>, RetryLayer) {
-    let layer = RetryLayer::new(policy, RetryBudget::new(100, 0.1).unwrap());
-    let svc = ServiceBuilder::new()
-        .layer(layer.clone())
-        .service(server.channel());
-    (LibraryClient::new(svc), layer)
+    server.client(policy, RetryBudget::new(100, 0.1).unwrap())
 }
 
 /// The method's policy: three attempts on `UNAVAILABLE`, within 5 s.

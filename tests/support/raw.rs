@@ -63,6 +63,26 @@ impl RawServer {
             .connect_lazy()
     }
 
+    /// A `Library` client of the server whose calls go through a layer of
+    /// `policy` and `budget`, and the layer (for its metrics).
+    pub fn client(
+        &self,
+        policy: tonic_retry::RetryPolicy,
+        budget: tonic_retry::RetryBudget,
+    ) -> (
+        super::pb::library_client::LibraryClient<
+            tonic_retry::RetryService<tonic::transport::Channel>,
+        >,
+        tonic_retry::RetryLayer,
+    ) {
+        let layer = tonic_retry::RetryLayer::new(policy, budget);
+        let service = tower::Layer::layer(&layer, self.channel());
+        (
+            super::pb::library_client::LibraryClient::new(service),
+            layer,
+        )
+    }
+
     pub async fn start(script: impl IntoIterator<Item = Step>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

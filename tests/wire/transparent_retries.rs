@@ -24,11 +24,7 @@ type Client<Bu = RetryBudget> = LibraryClient<RetryService<Channel, Bu>>;
 
 /// A client of `server` whose calls are retried by `policy`.
 fn client(server: &RawServer, policy: RetryPolicy) -> (Client, RetryLayer) {
-    let layer = RetryLayer::new(policy, RetryBudget::new(10, 0.1).unwrap());
-    let svc = ServiceBuilder::new()
-        .layer(layer.clone())
-        .service(server.channel());
-    (LibraryClient::new(svc), layer)
+    server.client(policy, RetryBudget::new(10, 0.1).unwrap())
 }
 
 /// A policy retrying `UNAVAILABLE` with short waits.
