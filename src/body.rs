@@ -75,11 +75,12 @@ pin_project! {
 
 /// What a call that ends with `OK` is credited to: the layer's budget.
 pub(crate) trait Credit: Send + Sync {
-    fn credit(&self);
+    /// `paid`: the call succeeded on a retry (or hedge) the budget paid for.
+    fn credit(&self, paid: bool);
 }
 
-/// A [`Credit`] waiting for the trailers.
-struct OnOk(Arc<dyn Credit>);
+/// A [`Credit`] waiting for the trailers, and whether the attempt was paid for.
+struct OnOk(Arc<dyn Credit>, bool);
 
 impl fmt::Debug for OnOk {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -112,9 +113,10 @@ impl<B, M: Metrics> ResponseBody<B, M> {
         self.traced.ends_call()
     }
 
-    /// Credits `credit` once, if the body's trailers end the call with `OK`.
-    pub(crate) fn credit_on_ok(&mut self, credit: Arc<dyn Credit>) {
-        self.on_ok = Some(OnOk(credit));
+    /// Credits `credit` once, if the body's trailers end the call with `OK`;
+    /// `paid` if the attempt was a retry (or hedge) the budget paid for.
+    pub(crate) fn credit_on_ok(&mut self, credit: Arc<dyn Credit>, paid: bool) {
+        self.on_ok = Some(OnOk(credit, paid));
     }
 
     /// An empty body, as sent with a status the layer answered itself.
@@ -295,8 +297,8 @@ impl<B: Body + 'static, M: Metrics> Body for ResponseBody<B, M> {
                 let (code, details) = read_trailers(&trailers);
                 match code {
                     Some(Code::Ok) => {
-                        if let Some(OnOk(credit)) = on_ok {
-                            credit.credit();
+                        if let Some(OnOk(credit, paid)) = on_ok {
+                            credit.credit(paid);
                         }
                     }
                     Some(Code::Cancelled) => {

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::ConfigError;
 #[cfg(doc)]
-use crate::throttle::RetryThrottle;
+use crate::{outcome::OutcomeBudget, throttle::RetryThrottle};
 
 /// Thousandths of a token: the unit the account is kept in.
 const MILLI: u64 = 1_000;
@@ -103,6 +103,12 @@ impl RetryBudget {
         })
     }
 
+    /// This account, filled to its cap.
+    pub(crate) fn filled(self) -> Self {
+        self.inner.balance.store(self.inner.max, Ordering::Relaxed);
+        self
+    }
+
     /// Records a successful call: adds `deposit_per_success` tokens, up to the cap.
     pub fn deposit(&self) {
         let Account {
@@ -156,7 +162,8 @@ impl RetryBudget {
 
 /// What the layer asks of the budget its retries (and hedges) are paid from.
 ///
-/// The crate's own budgets implement it: [`RetryBudget`] (a token account) and
+/// The crate's own budgets implement it: [`RetryBudget`] (a token account),
+/// [`OutcomeBudget`] (one whose successful retries cost nothing) and
 /// [`RetryThrottle`] (gRPC A6's retry throttling). Any `tower` retry budget
 /// (tower's `TpsBudget`, say) works through [`TowerBudget`]. A budget is
 /// shared by every call, on any thread, so it is `Send + Sync`.
@@ -176,6 +183,11 @@ pub trait Budget: Send + Sync + 'static {
     /// An attempt of a method that retries failed with a retryable status,
     /// retried or not. gRPC's throttling charges these; by default, nothing.
     fn on_retryable_failure(&self) {}
+
+    /// The call ended with `OK` on a retry (or hedge) this budget paid for,
+    /// told after [`deposit`](Budget::deposit). [`OutcomeBudget`] gives the
+    /// retry's token back; by default, nothing.
+    fn on_retry_success(&self) {}
 
     /// Whether [`withdraw`](Budget::withdraw) would refuse now, asked without
     /// taking anything, so that the layer refuses a retry before its backoff

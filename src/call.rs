@@ -543,8 +543,11 @@ pub(crate) fn previous_attempts(sent: u32) -> HeaderValue {
 
 /// A call that ended with `OK` after its response was committed.
 impl<Bu: Budget, M: Metrics> Credit for Local<Bu, M> {
-    fn credit(&self) {
+    fn credit(&self, paid: bool) {
         Budget::deposit(&self.budget);
+        if paid {
+            self.budget.on_retry_success();
+        }
         self.budget_moved();
     }
 }
@@ -733,6 +736,11 @@ where
             // A committed response is credited when its trailers say OK.
             if verdict != Verdict::Committed {
                 Budget::deposit(budget);
+                // After a retry, the call succeeded on one: it was paid for
+                // (a transparent retry of it carries its payment).
+                if state.retried {
+                    budget.on_retry_success();
+                }
             }
             Decision::Done("succeeded")
         } else {
@@ -790,7 +798,7 @@ where
                 if let Ok(response) = result {
                     response
                         .body_mut()
-                        .credit_on_ok(Arc::clone(&self.shared) as Arc<dyn Credit>);
+                        .credit_on_ok(Arc::clone(&self.shared) as Arc<dyn Credit>, state.retried);
                 }
             }
             Decision::Done(_) => finish(result, state, verdict.code()),

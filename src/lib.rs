@@ -293,6 +293,7 @@ mod methods;
 pub mod metrics;
 #[cfg(feature = "opentelemetry")]
 pub mod otel;
+mod outcome;
 mod policy;
 pub mod replay;
 mod service;
@@ -311,6 +312,7 @@ pub use error::ConfigError;
 pub use hedge::HedgePolicy;
 pub use layer::RetryLayer;
 pub use methods::{CallPolicy, MethodPolicies};
+pub use outcome::OutcomeBudget;
 pub use policy::{RetryPolicy, RetryWhen, RetryableCodes};
 pub use service::RetryService;
 

@@ -57,6 +57,12 @@ struct InFlight<F> {
 }
 
 impl<F> InFlight<F> {
+    /// Whether the budget paid for it: every attempt after the first (a
+    /// transparent retry of one carries its payment).
+    fn paid(&self) -> bool {
+        self.number > 1
+    }
+
     /// It was never sent: the place it took under the policy's extra-load
     /// cap, if any, is given back.
     fn never_sent(&self, plan: &crate::hedge::HedgePlan) {
@@ -366,7 +372,7 @@ where
             self.shared.policies.get(&self.policy),
             &self.shared,
             picked,
-            (done.number, done.started),
+            (done.number, done.started, done.paid()),
             self.latencies.as_deref(),
             &mut self.sent,
             &mut self.failed,
@@ -835,7 +841,7 @@ fn judge<RB, Bu: Budget, M: Metrics>(
     policy: &RetryPolicy,
     shared: &Arc<Local<Bu, M>>,
     picked: Option<HeaderValue>,
-    (number, started): (u32, Instant),
+    (number, started, paid): (u32, Instant, bool),
     latencies: Option<&Latencies>,
     sent: &mut u32,
     failed: &mut AlreadyTried,
@@ -906,10 +912,10 @@ fn judge<RB, Bu: Budget, M: Metrics>(
             if verdict == Verdict::Committed {
                 response
                     .body_mut()
-                    .credit_on_ok(Arc::clone(shared) as Arc<dyn Credit>);
+                    .credit_on_ok(Arc::clone(shared) as Arc<dyn Credit>, paid);
             } else {
                 if code == Code::Ok {
-                    shared.credit();
+                    shared.credit(paid);
                 }
                 repair_status_details(response.headers_mut());
                 as_grpc_status(&mut response, code);

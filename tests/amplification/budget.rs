@@ -270,3 +270,46 @@ async fn no_budget_at_send_names_the_last_attempt_sent() {
         "the last attempt sent was attempt 1; the caller reads: {message:?}"
     );
 }
+
+/// `OutcomeBudget` charges only the retries that fail: a retry the call
+/// succeeds with, whether its status came in the headers or in the trailers
+/// of a committed response, gives its token back; a first attempt's success
+/// only deposits.
+#[tokio::test(start_paused = true)]
+async fn outcome_budget_charges_only_failed_retries() {
+    use tonic_retry::OutcomeBudget;
+    // Each answer: in the trailers of a committed response, or Trailers-Only.
+    const FAILED: (bool, Code) = (false, Code::Unavailable);
+    let budget = OutcomeBudget::new(10, 0.1).unwrap();
+    let layer = RetryLayer::with_budget(RetryPolicy::default(), budget);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+    let mut call = async |answers: &[(bool, Code)]| {
+        let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+        for &(committed, code) in answers {
+            let (_, send) = handle.next_request().await.unwrap();
+            send.send_response(if committed {
+                answer(code)
+            } else {
+                status(code)
+            });
+        }
+        read_to_end(call.await.unwrap().unwrap()).await
+    };
+    // Three failures: two retries, both spent.
+    assert_eq!(call(&[FAILED, FAILED, FAILED]).await, Code::Unavailable);
+    assert_eq!(layer.budget().available(), 8.0);
+    // A retry that succeeds in its trailers: 0.1 deposited, its token back.
+    assert_eq!(call(&[FAILED, (true, Code::Ok)]).await, Code::Ok);
+    assert_eq!(layer.budget().available(), 8.1);
+    // A retry that succeeds in its headers: the same.
+    assert_eq!(call(&[FAILED, (false, Code::Ok)]).await, Code::Ok);
+    assert_eq!(layer.budget().available(), 8.2);
+    // A first attempt's success: the deposit alone.
+    assert_eq!(call(&[(true, Code::Ok)]).await, Code::Ok);
+    assert_eq!(layer.budget().available(), 8.3);
+    // A retry whose committed response then fails in its trailers: spent.
+    let failed_late = [FAILED, (true, Code::Unavailable)];
+    assert_eq!(call(&failed_late).await, Code::Unavailable);
+    assert_eq!(layer.budget().available(), 7.3);
+}

@@ -5,8 +5,13 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+#[path = "../support/capacity.rs"]
+#[allow(dead_code)]
+mod capacity;
+
 mod attempt_timeouts;
 mod budget;
+mod fleet;
 mod give_up_mark;
 mod overload;
 mod three_hops;

@@ -1273,3 +1273,34 @@ async fn a_hedged_call_ended_by_its_deadline_counts_every_attempt_sent() {
     assert_eq!(code_of(&response), Code::DeadlineExceeded);
     assert_eq!(s.layer.metrics().attempts(), 3);
 }
+
+/// With `OutcomeBudget`, a hedge the call succeeds with gives its token
+/// back; a hedge that loses to the first attempt is spent.
+#[tokio::test(start_paused = true)]
+async fn a_winning_hedge_is_refunded_by_an_outcome_budget() {
+    use tonic_retry::OutcomeBudget;
+    use tonic_retry::budgets::Budget;
+    let budget = OutcomeBudget::new(10, 0.1).unwrap();
+    // Spend two tokens, to see what comes back below the cap.
+    assert!(budget.withdraw() && budget.withdraw());
+    let layer = RetryLayer::with_budget(policy(2, 10), budget);
+    let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut svc = layer.layer(inner);
+
+    // The hedge wins: 0.1 deposited, and its token back.
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, _first, _) = arrives(&mut handle).await;
+    let (_, hedge, _) = arrives(&mut handle).await;
+    hedge.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    assert_eq!(layer.budget().available(), 8.1);
+
+    // The first attempt wins: 0.1 deposited, the losing hedge spent.
+    let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
+    let (_, first, _) = arrives(&mut handle).await;
+    let (_, _hedge, _) = arrives(&mut handle).await;
+    first.send_response(answer(Code::Ok));
+    assert_eq!(read_to_end(call.await.unwrap().unwrap()).await, Code::Ok);
+    assert_eq!(layer.budget().available(), 7.2);
+    assert_eq!(layer.metrics().hedges(), 2);
+}

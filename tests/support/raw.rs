@@ -65,17 +65,17 @@ impl RawServer {
 
     /// A `Library` client of the server whose calls go through a layer of
     /// `policy` and `budget`, and the layer (for its metrics).
-    pub fn client(
+    pub fn client<Bu: tonic_retry::budgets::Budget>(
         &self,
         policy: tonic_retry::RetryPolicy,
-        budget: tonic_retry::RetryBudget,
+        budget: Bu,
     ) -> (
         super::pb::library_client::LibraryClient<
-            tonic_retry::RetryService<tonic::transport::Channel>,
+            tonic_retry::RetryService<tonic::transport::Channel, Bu>,
         >,
-        tonic_retry::RetryLayer,
+        tonic_retry::RetryLayer<Bu>,
     ) {
-        let layer = tonic_retry::RetryLayer::new(policy, budget);
+        let layer = tonic_retry::RetryLayer::with_budget(policy, budget);
         let service = tower::Layer::layer(&layer, self.channel());
         (
             super::pb::library_client::LibraryClient::new(service),

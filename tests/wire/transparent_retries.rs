@@ -13,8 +13,10 @@ use crate::support::raw::{RawServer, Step};
 use tonic::Code;
 use tonic::transport::Channel;
 use tonic_retry::{
-    HedgePolicy, RetryBudget, RetryLayer, RetryPolicy, RetryService, budgets::RetryThrottle,
-    marks::IDEMPOTENCY_KEY, marks::PREVIOUS_ATTEMPTS,
+    HedgePolicy, OutcomeBudget, RetryBudget, RetryLayer, RetryPolicy, RetryService,
+    budgets::{Budget, RetryThrottle},
+    marks::IDEMPOTENCY_KEY,
+    marks::PREVIOUS_ATTEMPTS,
 };
 use tower::ServiceBuilder;
 
@@ -392,4 +394,30 @@ async fn a_stream_refused_just_before_its_callers_end_is_not_sent_again() {
             "{status:?}"
         );
     }
+}
+
+/// A transparent retry is no paid retry: a call that succeeds on one gets no
+/// token back from `OutcomeBudget`; a call that succeeds on a retry does,
+/// even when that retry's own stream was refused and sent again.
+#[tokio::test]
+async fn only_a_paid_retry_that_succeeds_gets_its_token_back() {
+    let server = RawServer::start([
+        Step::Refuse,
+        Step::AnswerAfter(Duration::ZERO),
+        Step::Status(Code::Unavailable),
+        Step::Refuse,
+        Step::AnswerAfter(Duration::ZERO),
+    ])
+    .await;
+    let budget = OutcomeBudget::new(10, 0.1).unwrap();
+    // Spend two tokens, to see what comes back below the cap.
+    assert!(budget.withdraw() && budget.withdraw());
+    let (mut client, layer) = server.client(retrying(3), budget);
+    bounded(client.get_book(get_book())).await.unwrap();
+    assert_eq!(layer.budget().available(), 8.1, "a deposit, no refund");
+    bounded(client.get_book(get_book())).await.unwrap();
+    // The retry took one, its success deposited 0.1 and gave the one back.
+    assert_eq!(layer.budget().available(), 8.2);
+    assert_eq!(layer.metrics().retries(), 1);
+    assert_eq!(layer.metrics().transparent_retries(), 2);
 }

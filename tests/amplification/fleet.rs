@@ -1,0 +1,118 @@
+//! Budgets at fleet scale, in a service with a capacity (the model in
+//! `tests/support/capacity.rs`): `OutcomeBudget` sends no burst when
+//! failures start, retries a brown-out's failures, spends nothing on an
+//! outage, and lets an overloaded service recover as fast as it does without
+//! retries, at 1 and 3 hops, with and without attempt timeouts.
+
+use std::time::Duration;
+
+use crate::capacity::{self, Measured, Row, Scenario, Trigger};
+
+const SEED: u64 = 2026;
+
+async fn run(row: Row, trigger: Trigger, hops: usize, attempt_timeout: bool) -> Measured {
+    let scenario = Scenario {
+        row,
+        trigger,
+        hops,
+        attempt_timeout,
+        seed: SEED,
+    };
+    let measured = capacity::run(scenario).await;
+    eprintln!("{scenario:?}: {measured:?}");
+    measured
+}
+
+/// `OutcomeBudget` at 1 and 3 hops, with and without attempt timeouts.
+async fn outcome(trigger: Trigger) -> Vec<(String, Measured)> {
+    let mut runs = Vec::new();
+    for attempt_timeout in [false, true] {
+        for hops in [1, 3] {
+            let m = run(Row::Outcome, trigger, hops, attempt_timeout).await;
+            runs.push((format!("{hops} hops, attempt timeout {attempt_timeout}"), m));
+        }
+    }
+    runs
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outage_costs_no_retries_from_its_first_second() {
+    for (case, m) in outcome(Trigger::Outage).await {
+        assert!(m.onset_peak <= 1.3, "{case}: onset {:.2}×", m.onset_peak);
+        assert!(
+            m.attempts_per_call <= 1.05 && m.attempts_first_second <= 1.05,
+            "{case}: {:.3} attempts per call, {:.3} in the first second",
+            m.attempts_per_call,
+            m.attempts_first_second
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_brown_out_is_retried_in_full_and_no_more() {
+    let unbudgeted = run(Row::NoBudget, Trigger::BrownOut, 1, false).await;
+    for (case, m) in outcome(Trigger::BrownOut).await {
+        assert!(
+            m.success >= 0.98 && m.attempts_per_call <= 1.3,
+            "{case}: {:.1} % succeeded at {:.3} attempts per call",
+            100.0 * m.success,
+            m.attempts_per_call
+        );
+        // The retries a brown-out needs are all the burst there is: no
+        // more than retrying without a budget sends.
+        assert!(
+            m.onset_peak <= unbudgeted.onset_peak + 0.05,
+            "{case}: onset {:.2}×, {:.2}× without a budget",
+            m.onset_peak,
+            unbudgeted.onset_peak
+        );
+    }
+}
+
+/// The overload triggers: the budget's recovery is within 0.2 s of the
+/// service's own (no retries, the same attempt timeout).
+async fn recovers_as_without_retries(trigger: Trigger) {
+    for attempt_timeout in [false, true] {
+        let alone = run(Row::NoRetries, trigger, 1, attempt_timeout).await;
+        let own = alone
+            .recovery
+            .expect("the service recovers without retries");
+        // The model's check: the queue the trigger leaves takes the service
+        // a second or two to drain.
+        assert!(
+            own >= Duration::from_secs(1) && own <= Duration::from_millis(2_500),
+            "without retries: recovered in {own:?}"
+        );
+        for hops in [1, 3] {
+            let m = run(Row::Outcome, trigger, hops, attempt_timeout).await;
+            let case = format!("{hops} hops, attempt timeout {attempt_timeout}");
+            assert!(m.onset_peak <= 1.3, "{case}: onset {:.2}×", m.onset_peak);
+            let recovery = m.recovery.expect("recovers");
+            assert!(
+                recovery <= own + Duration::from_millis(200),
+                "{case}: recovered in {recovery:?}, {own:?} without retries"
+            );
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_capacity_drop_recovers_as_without_retries() {
+    recovers_as_without_retries(Trigger::CapacityDrop).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_load_spike_recovers_as_without_retries() {
+    recovers_as_without_retries(Trigger::LoadSpike).await;
+}
+
+/// The model's other check: three hops with attempt timeouts and no budget
+/// keep the service overloaded (yet retry at one layer: at most 3 attempts
+/// per call reach the bottom).
+#[tokio::test(start_paused = true)]
+async fn without_a_budget_a_capacity_drop_does_not_recover() {
+    let m = run(Row::NoBudget, Trigger::CapacityDrop, 3, true).await;
+    assert_eq!(m.recovery, None, "recovered: {m:?}");
+    assert!(m.attempts_per_call > 2.0, "{m:?}");
+    assert!(m.attempts_per_call <= 3.0, "{m:?}");
+}
