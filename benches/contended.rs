@@ -1,5 +1,6 @@
 //! Both cores at once: the happy path of each stack, (a) no layer, (b) tower's
-//! `Retry` with `Arc<TpsBudget>`, (c) `RetryLayer`, driven by one thread, then
+//! `Retry` with `Arc<TpsBudget>`, (c) `RetryLayer` (with `RetryBudget`, and
+//! with `OutcomeBudget`), driven by one thread, then
 //! by two threads at once through clones of the same service (so one budget,
 //! one set of counters, one replay-memory account), each thread on a runtime
 //! of its own. The time is per call on each thread: with nothing shared
@@ -73,6 +74,11 @@ fn contended(c: &mut Criterion) {
         c,
         "c_retry_layer",
         layered(inner_ok(), RetryPolicy::default())
+    );
+    bench_stack!(
+        c,
+        "c_outcome_budget",
+        layered_outcome(inner_ok(), RetryPolicy::default())
     );
 }
 

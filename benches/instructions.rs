@@ -2,7 +2,8 @@
 //! virtualised machine wall-clock timings move by ±15 % from run to run, while
 //! callgrind's instruction counts repeat exactly. It runs `N` calls (default
 //! 10,000) of one stack, chosen by `STACK`: `a` (no layer), `b` (tower's
-//! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-no-key`, `c-no-report`
+//! `Retry` + `TpsBudget`), `c` (`RetryLayer`), `c-outcome` (`c` paid from
+//! `OutcomeBudget` rather than `RetryBudget`), `c-no-key`, `c-no-report`
 //! (no idempotency key, and no instance ids learnt, so no balancer's report
 //! slot on the attempt), `c-per-method` (per-method policies: 8 services, 33
 //! methods), `c-deadline` (`c` with a total timeout of 10 s, so every
@@ -48,6 +49,14 @@ fn main() {
                     .with_instance_header(None);
                 timed(layered(inner_ok(), policy), n, payload).await
             }
+            "c-outcome" => {
+                timed(
+                    layered_outcome(inner_ok(), RetryPolicy::default()),
+                    n,
+                    payload,
+                )
+                .await
+            }
             "c-per-method" => timed(layered_per_method(inner_ok()), n, payload).await,
             "c-deadline" => {
                 let policy = RetryPolicy::default().with_total_timeout(Duration::from_secs(10));
@@ -59,7 +68,7 @@ fn main() {
                 timed(each, n, payload).await
             }
             other => panic!(
-                "STACK must be a, b, c, c-no-key, c-no-report, c-per-method, c-deadline or c-clone (c-otel is --bench instructions_otel), not {other:?}"
+                "STACK must be a, b, c, c-outcome, c-no-key, c-no-report, c-per-method, c-deadline or c-clone (c-otel is --bench instructions_otel), not {other:?}"
             ),
         }
     });

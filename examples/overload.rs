@@ -62,58 +62,83 @@ fn main() {
             .expect("every scenario was run");
         &results[i]
     };
+    let cell = |trigger: Trigger, row: Row, attempt_timeout: bool| {
+        [1, 3].map(|hops| {
+            find(&Scenario {
+                row,
+                trigger,
+                hops,
+                attempt_timeout,
+                seed: SEED,
+            })
+            .clone()
+        })
+    };
+    let both = |f: &dyn Fn(&Measured) -> String, [one, three]: &[Measured; 2]| {
+        format!("{} / {}", f(one), f(three))
+    };
+    let onset = |m: &Measured| format!("{:.2}×", m.onset_peak);
+    let attempts = |m: &Measured| {
+        format!(
+            "{:.2} ({:.2})",
+            m.attempts_per_call, m.attempts_first_second
+        )
+    };
+    let success = |m: &Measured| format!("{:.1} %", 100.0 * m.success);
+    let recovery = |m: &Measured| match m.recovery {
+        Some(d) => format!("{:.2} s", d.as_secs_f64()),
+        None => format!("never ({}k queued)", m.max_queue / 1_000),
+    };
     println!(
-        "Each cell: 1 hop / 3 hops. Onset: the busiest 100 ms of the trigger's first second,\n\
-         against health. Attempts per call at the bottom, for calls started during the trigger\n\
-         (in its first second). Recovery: from the trigger's end until goodput is back and\n\
-         the queue is below the workers."
+        "Each cell: 1 hop / 3 hops. Onset: attempts at the bottom per call offered, in the busiest\n\
+         100 ms of the trigger's first second. Attempts: per call started during the trigger (in its\n\
+         first second). Recovery: from the trigger's end until every later 50 ms of calls succeeds\n\
+         as in health (within 5 %) and the queue is below the workers."
     );
-    for trigger in Trigger::ALL {
-        for attempt_timeout in [false, true] {
+    for attempt_timeout in [true, false] {
+        let timeout = if attempt_timeout {
+            "150 ms attempt timeout"
+        } else {
+            "no attempt timeout"
+        };
+        println!("\nFast failures, {timeout}\n");
+        println!(
+            "| row | outage: onset | attempts per call | brown-out: onset | attempts per call | success |"
+        );
+        println!("|---|---|---|---|---|---|");
+        for &row in &rows {
+            let outage = cell(Trigger::Outage, row, attempt_timeout);
+            let brown = cell(Trigger::BrownOut, row, attempt_timeout);
             println!(
-                "\n{}, {}\n",
-                trigger.name(),
-                if attempt_timeout {
-                    "150 ms attempt timeout"
-                } else {
-                    "no attempt timeout"
-                }
+                "| {} | {} | {} | {} | {} | {} |",
+                row.name(),
+                both(&onset, &outage),
+                both(&attempts, &outage),
+                both(&onset, &brown),
+                both(&attempts, &brown),
+                both(&success, &brown),
             );
+        }
+        println!("\nOverload, {timeout}\n");
+        println!(
+            "| row | capacity drop: onset | attempts per call | success | recovery | load spike: onset | attempts per call | success | recovery |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for &row in &rows {
+            let drop = cell(Trigger::CapacityDrop, row, attempt_timeout);
+            let spike = cell(Trigger::LoadSpike, row, attempt_timeout);
             println!(
-                "| row | onset peak | attempts per call (first s) | success | recovery | longest queue |"
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                row.name(),
+                both(&onset, &drop),
+                both(&attempts, &drop),
+                both(&success, &drop),
+                both(&recovery, &drop),
+                both(&onset, &spike),
+                both(&attempts, &spike),
+                both(&success, &spike),
+                both(&recovery, &spike),
             );
-            println!("|---|---|---|---|---|---|");
-            for &row in &rows {
-                let [one, three] = [1, 3].map(|hops| {
-                    find(&Scenario {
-                        row,
-                        trigger,
-                        hops,
-                        attempt_timeout,
-                        seed: SEED,
-                    })
-                });
-                let recovery = |m: &Measured| match m.recovery {
-                    Some(d) => format!("{:.2} s", d.as_secs_f64()),
-                    None => "never".to_string(),
-                };
-                println!(
-                    "| {} | {:.2}× / {:.2}× | {:.2} ({:.2}) / {:.2} ({:.2}) | {:.1} % / {:.1} % | {} / {} | {} / {} |",
-                    row.name(),
-                    one.onset_peak,
-                    three.onset_peak,
-                    one.attempts_per_call,
-                    one.attempts_first_second,
-                    three.attempts_per_call,
-                    three.attempts_first_second,
-                    100.0 * one.success,
-                    100.0 * three.success,
-                    recovery(one),
-                    recovery(three),
-                    one.max_queue,
-                    three.max_queue,
-                );
-            }
         }
     }
 }
@@ -136,7 +161,6 @@ fn run_all(scenarios: &[Scenario]) -> Vec<Measured> {
                         .build()
                         .expect("a runtime");
                     let measured = runtime.block_on(capacity::run(scenarios[i]));
-                    eprintln!("{:?}: {measured:?}", scenarios[i]);
                     results.lock().unwrap()[i] = Some(measured);
                 }
             });

@@ -227,6 +227,9 @@
 //!   failures, delays, pushback and lost responses by rule, to rehearse retry
 //!   settings against real servers.
 //! * [`RetryLayer::with_budget`]: pay for retries from any [`Budget`](budgets::Budget):
+//!   [`OutcomeBudget`] charges only the retries that fail, and holds a fleet
+//!   up through a failure's onset, a brown-out and an overload
+//!   ([the guide](guide::budgets) compares them);
 //!   [`RetryThrottle`](budgets::RetryThrottle) is gRPC's own retry throttling, and [`TowerBudget`](budgets::TowerBudget)
 //!   takes any `tower` retry budget (tower's `TpsBudget`, say).
 //! * [`MethodPolicies`]: a policy per gRPC method (method, else service, else
@@ -262,6 +265,9 @@ pub mod budgets {
     //! default, and the trait every budget implements: what pays for retries
     //! and hedges, shared by every call through one layer.
     //!
+    //! * [`OutcomeBudget`](crate::OutcomeBudget): a token account whose
+    //!   retries that succeed cost nothing (the guide's
+    //!   [budgets](crate::guide::budgets) page compares them all).
     //! * [`RetryThrottle`]: gRPC's `retryThrottling` (gRFC A6), a token
     //!   bucket that stops retries once failures pass half of it, as a
     //!   service config's `retryThrottling` asks.
@@ -351,6 +357,8 @@ pub mod guide {
     pub mod deadline {}
     #[doc = include_str!("guide/amplification.md")]
     pub mod amplification {}
+    #[doc = include_str!("guide/budgets.md")]
+    pub mod budgets {}
     #[doc = include_str!("guide/hedging.md")]
     pub mod hedging {}
     #[doc = include_str!("guide/demo.md")]

@@ -171,6 +171,20 @@ where
     layer.layer(inner)
 }
 
+/// (c) with `OutcomeBudget::default()` paying for its retries.
+pub fn layered_outcome<S, RB>(
+    inner: S,
+    policy: RetryPolicy,
+) -> tonic_retry::RetryService<S, tonic_retry::OutcomeBudget>
+where
+    S: Service<Request<Body>, Response = http::Response<RB>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: http_body::Body + Send + 'static,
+{
+    RetryLayer::with_budget(policy, tonic_retry::OutcomeBudget::default()).layer(inner)
+}
+
 /// (c) with per-method policies: a table of 8 services and 32 methods, the
 /// request's `GetBook` having an entry of its own (the longest lookup: the
 /// method map hit; `/GetBook` at a service entry would look up twice).
