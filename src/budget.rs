@@ -158,6 +158,11 @@ impl RetryBudget {
     pub fn max_tokens(&self) -> u32 {
         (self.inner.max / MILLI) as u32
     }
+
+    /// The tokens a successful call deposits, as kept (to three decimals).
+    pub(crate) fn deposit_per_success(&self) -> f64 {
+        self.inner.deposit as f64 / MILLI as f64
+    }
 }
 
 /// What the layer asks of the budget its retries (and hedges) are paid from.
@@ -288,10 +293,7 @@ impl fmt::Debug for RetryBudget {
         f.debug_struct("RetryBudget")
             .field("available", &self.available())
             .field("max_tokens", &self.max_tokens())
-            .field(
-                "deposit_per_success",
-                &(self.inner.deposit as f64 / MILLI as f64),
-            )
+            .field("deposit_per_success", &self.deposit_per_success())
             .finish()
     }
 }

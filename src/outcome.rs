@@ -124,6 +124,7 @@ impl fmt::Debug for OutcomeBudget {
         f.debug_struct("OutcomeBudget")
             .field("available", &self.available())
             .field("max_tokens", &self.max_tokens())
+            .field("deposit_per_success", &self.account.deposit_per_success())
             .finish()
     }
 }
@@ -185,6 +186,9 @@ mod tests {
     #[test]
     fn debug_shows_the_balance() {
         let shown = format!("{:?}", OutcomeBudget::new(3, 0.2).unwrap());
-        assert_eq!(shown, "OutcomeBudget { available: 3.0, max_tokens: 3 }");
+        assert_eq!(
+            shown,
+            "OutcomeBudget { available: 3.0, max_tokens: 3, deposit_per_success: 0.2 }"
+        );
     }
 }
