@@ -54,15 +54,12 @@ struct InFlight<F> {
     started: Instant,
     /// A transparent retry: it took no place under the extra-load cap.
     transparent: bool,
+    /// The budget paid for it: a hedge, or a transparent retry of one
+    /// (which carries the hedge's payment).
+    paid: bool,
 }
 
 impl<F> InFlight<F> {
-    /// Whether the budget paid for it: every attempt after the first (a
-    /// transparent retry of one carries its payment).
-    fn paid(&self) -> bool {
-        self.number > 1
-    }
-
     /// It was never sent: the place it took under the policy's extra-load
     /// cap, if any, is given back.
     fn never_sent(&self, plan: &crate::hedge::HedgePlan) {
@@ -350,7 +347,7 @@ where
             &mut self.inflight,
             policy,
             request,
-            (self.started, true),
+            (self.started, true, done.paid),
         );
         true
     }
@@ -372,7 +369,7 @@ where
             self.shared.policies.get(&self.policy),
             &self.shared,
             picked,
-            (done.number, done.started, done.paid()),
+            (done.number, done.started, done.paid),
             self.latencies.as_deref(),
             &mut self.sent,
             &mut self.failed,
@@ -591,7 +588,8 @@ where
                     &mut self.inflight,
                     policy,
                     request,
-                    (self.started, false),
+                    // Every attempt after the first is a hedge, paid for.
+                    (self.started, false, self.started > 1),
                 );
                 // No delay means no timer: a zero-length one would still wait
                 // for the timer's next tick.
@@ -668,13 +666,14 @@ where
 }
 
 /// Starts attempt `number` of the call (a transparent retry if
-/// `transparent`), with a slot for the balancer's report of its instance.
+/// `transparent`; paid for from the budget if `paid`), with a slot for the
+/// balancer's report of its instance.
 fn start<S, B, RB, Bu, M>(
     attempt: &mut Attempt<S, B, Bu, M>,
     inflight: &mut Vec<InFlight<AttemptFuture<S, B, Bu, M>>>,
     policy: &RetryPolicy,
     mut request: Request<ReplayBody<B>>,
-    (number, transparent): (u32, bool),
+    (number, transparent, paid): (u32, bool, bool),
 ) where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     B: From<ReplayBody<B>> + Send + 'static,
@@ -694,6 +693,7 @@ fn start<S, B, RB, Bu, M>(
         slot,
         started: Instant::now(),
         transparent,
+        paid,
     });
 }
 

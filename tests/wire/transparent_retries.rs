@@ -421,3 +421,20 @@ async fn only_a_paid_retry_that_succeeds_gets_its_token_back() {
     assert_eq!(layer.metrics().retries(), 1);
     assert_eq!(layer.metrics().transparent_retries(), 2);
 }
+
+/// In a hedged call too: the first attempt refused and sent again, and that
+/// transparent retry answering, is no hedge the budget paid for, and gives
+/// `OutcomeBudget` no token back.
+#[tokio::test]
+async fn a_hedged_calls_transparent_retry_gets_no_token_back() {
+    let server = RawServer::start([Step::Refuse, Step::AnswerAfter(Duration::ZERO)]).await;
+    let budget = OutcomeBudget::new(10, 0.1).unwrap();
+    assert!(budget.withdraw() && budget.withdraw());
+    // A hedge delay no answer here waits for.
+    let hedged = HedgePolicy::new(2, Duration::from_secs(5)).unwrap();
+    let (mut client, layer) = server.client(hedged.into(), budget);
+    bounded(client.get_book(get_book())).await.unwrap();
+    assert_eq!(layer.metrics().transparent_retries(), 1);
+    assert_eq!(layer.metrics().hedges(), 0);
+    assert_eq!(layer.budget().available(), 8.1, "a deposit, no refund");
+}
