@@ -10,9 +10,9 @@ use crate::error::ConfigError;
 /// Like [`RetryBudget`], a lock-free token account: each call that ends with
 /// `OK` deposits `deposit_per_success` tokens, and each retry (or hedge) takes
 /// one whole token when it is sent. Unlike it, a retry the call then succeeds
-/// with gives its token back. So a token is only ever lost to a retry that
-/// failed, and what the account bounds is the load retries add *without
-/// doing any good*:
+/// with gives its token back. So a token is lost only to a retry (or hedge)
+/// the call did not succeed with (a hedge that lost the race included), and
+/// what the account bounds is the load retries add *without doing any good*:
 ///
 /// * **A brown-out** (some attempts fail, retries mostly succeed): retries
 ///   cost little, and every failure that a retry can mend is retried. A
@@ -22,11 +22,12 @@ use crate::error::ConfigError;
 ///   and no call succeeds, so once the balance is spent no retry is sent
 ///   until calls succeed again. Retries then add no load to a service
 ///   struggling to recover.
-/// * **The onset of either**: the account starts full, and a token is held
-///   from a retry's sending until its outcome, so the retries in flight, and
-///   the burst when every call starts failing at once, are at most
-///   `max_tokens`. Keep `max_tokens` small against the calls a second: the
-///   default, 10, is 1 % of a second at 1,000 calls a second.
+/// * **The onset of either**: a token is held from a retry's sending until
+///   its outcome, so when every call starts failing at once, the burst of
+///   retries is the balance, at most `max_tokens`, and no more. (While other
+///   calls still succeed, their deposits pay for more.) Keep `max_tokens`
+///   small against the calls a second: the default, 10, is 1 % of a second
+///   at 1,000 calls a second.
 ///
 /// Cloning shares the one account, so a single budget can guard several
 /// layers or clients. A retry refused ends its call with
@@ -38,7 +39,7 @@ use crate::error::ConfigError;
 /// use tonic_retry::{OutcomeBudget, RetryLayer, RetryPolicy, budgets::Budget};
 ///
 /// # fn main() -> Result<(), tonic_retry::ConfigError> {
-/// // At most 10 retries in flight; a tenth of a token per successful call.
+/// // 10 tokens at most; a tenth of a token per successful call.
 /// let budget = OutcomeBudget::new(10, 0.1)?;
 /// assert_eq!(budget.available(), 10.0);
 ///
@@ -84,7 +85,8 @@ impl OutcomeBudget {
         self.account.available()
     }
 
-    /// The most tokens the account can hold: the most retries in flight.
+    /// The most tokens the account can hold: the largest burst of retries
+    /// when every call fails.
     pub fn max_tokens(&self) -> u32 {
         self.account.max_tokens()
     }
@@ -148,7 +150,7 @@ mod tests {
     fn only_a_failed_retry_costs_its_token() {
         let b = OutcomeBudget::new(2, 0.5).unwrap();
         assert!(b.withdraw() && b.withdraw());
-        assert!(!b.withdraw(), "two retries in flight at most");
+        assert!(!b.withdraw(), "two tokens pay for two retries");
         assert!(b.is_known_empty());
         // One succeeds: its token back (and a deposit); one fails: spent.
         b.deposit();
