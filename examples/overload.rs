@@ -9,7 +9,7 @@
 //! machine.
 //!
 //! `cargo run --release --example overload -- ROW...` runs only the rows
-//! whose names contain one of the words given (`outcome`, `none`, ...).
+//! whose names contain one of the words given (`outcome`, `envoy`, `budget`, ...).
 
 use std::sync::Mutex;
 
