@@ -31,7 +31,6 @@ use library::Shelf;
 use library::pb::GetBookRequest;
 use library::pb::library_client::LibraryClient;
 use library::pb::library_server::LibraryServer;
-use tokio_stream::StreamExt;
 use tonic::transport::{Endpoint, Server};
 use tonic_retry::{RetryBudget, RetryLayer, RetryPolicy, metrics::RetryMetrics};
 use tonic_retry::{fault::Fault, fault::FaultLayer, fault::Rule};
@@ -52,16 +51,7 @@ async fn instance() -> Instance {
         .unwrap()
         .with(Rule::rate(0.03, Fault::slow(Duration::from_millis(150))).unwrap())
         .with(Rule::always(Fault::slow(Duration::from_millis(1))));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&accepted);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |stream| {
-        counted.fetch_add(1, Ordering::Relaxed);
-        let stream = stream?;
-        stream.set_nodelay(true)?;
-        Ok::<_, std::io::Error>(stream)
-    });
+    let (addr, accepted, incoming) = library::counted_incoming(true).await;
     // tonic's default server settings.
     let server = Server::builder()
         .layer(faults.clone())

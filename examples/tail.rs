@@ -53,7 +53,6 @@ use library::Shelf;
 use library::pb::GetBookRequest;
 use library::pb::library_client::LibraryClient;
 use library::pb::library_server::LibraryServer;
-use tokio_stream::StreamExt;
 use tonic::body::Body;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic_retry::balance::PreferUntried;
@@ -88,16 +87,7 @@ async fn instance(id: &str) -> Instance {
         .with(Rule::rate(0.005, Fault::slow(Duration::from_millis(200))).unwrap())
         .with(Rule::rate(0.015 / 0.995, Fault::slow(Duration::from_millis(50))).unwrap())
         .with(Rule::always(Fault::slow(Duration::from_millis(1))));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&accepted);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |stream| {
-        counted.fetch_add(1, Ordering::Relaxed);
-        let stream = stream?;
-        stream.set_nodelay(true)?;
-        Ok::<_, std::io::Error>(stream)
-    });
+    let (addr, accepted, incoming) = library::counted_incoming(true).await;
     let server = Server::builder()
         .layer(faults.clone())
         .add_service(LibraryServer::new(Shelf::default()))
@@ -549,18 +539,7 @@ async fn lone_instance(nodelay: bool) -> (Instance, Arc<Seen>) {
         .with(Rule::rate(0.02, Fault::slow(Duration::from_millis(200))).unwrap())
         .with(Rule::always(Fault::slow(Duration::from_millis(1))));
     let seen = Arc::new(Seen::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&accepted);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |stream| {
-        counted.fetch_add(1, Ordering::Relaxed);
-        let stream = stream?;
-        if nodelay {
-            stream.set_nodelay(true)?;
-        }
-        Ok::<_, std::io::Error>(stream)
-    });
+    let (addr, accepted, incoming) = library::counted_incoming(nodelay).await;
     let watched = Arc::clone(&seen);
     let server = Server::builder()
         .layer(tower::layer::layer_fn(move |inner| Watch {

@@ -253,6 +253,33 @@ pub async fn serve_plain(shelf: Shelf) -> SocketAddr {
     addr
 }
 
+/// A loopback listener's connections, counted as they are accepted, each
+/// with `TCP_NODELAY` if `nodelay`: for a server whose clients' reconnects
+/// are measured. The address, the count, and the stream to serve.
+pub async fn counted_incoming(
+    nodelay: bool,
+) -> (
+    SocketAddr,
+    Arc<AtomicU64>,
+    impl Stream<Item = std::io::Result<tokio::net::TcpStream>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local address");
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&accepted);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |stream| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        let stream = stream?;
+        if nodelay {
+            stream.set_nodelay(true)?;
+        }
+        Ok(stream)
+    });
+    (addr, accepted, incoming)
+}
+
 pub fn channel(addr: SocketAddr) -> Channel {
     endpoint(addr).connect_lazy()
 }
