@@ -215,6 +215,16 @@ pub trait Budget: Send + Sync + 'static {
     }
 }
 
+/// Tells `budget` that a call ended with `OK`: a deposit, and, if the call
+/// succeeded on a retry (or hedge) it paid for, that retry's success.
+#[inline]
+pub(crate) fn call_succeeded<Bu: Budget>(budget: &Bu, on_paid_retry: bool) {
+    budget.deposit();
+    if on_paid_retry {
+        budget.on_retry_success();
+    }
+}
+
 /// Any `tower` retry budget as the layer's [`Budget`]: deposited on each
 /// successful call, withdrawn from once per retry sent.
 ///

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::budget::Budget;
+use crate::budget::{Budget, call_succeeded};
 use http::{
     Extensions, HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, request,
 };
@@ -544,10 +544,7 @@ pub(crate) fn previous_attempts(sent: u32) -> HeaderValue {
 /// A call that ended with `OK` after its response was committed.
 impl<Bu: Budget, M: Metrics> Credit for Local<Bu, M> {
     fn credit(&self, paid: bool) {
-        Budget::deposit(&self.budget);
-        if paid {
-            self.budget.on_retry_success();
-        }
+        call_succeeded(&self.budget, paid);
         self.budget_moved();
     }
 }
@@ -734,13 +731,10 @@ where
         // every call takes this path, and `decide` is large.
         let decision = if verdict.is_success() {
             // A committed response is credited when its trailers say OK.
+            // After a retry, the call succeeded on one: it was paid for (a
+            // transparent retry of it carries its payment).
             if verdict != Verdict::Committed {
-                Budget::deposit(budget);
-                // After a retry, the call succeeded on one: it was paid for
-                // (a transparent retry of it carries its payment).
-                if state.retried {
-                    budget.on_retry_success();
-                }
+                call_succeeded(budget, state.retried);
             }
             Decision::Done("succeeded")
         } else {
