@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::capacity::{self, Measured, Row, Scenario, Trigger};
+use crate::support::capacity::{self, Measured, Row, Scenario, Trigger};
 
 const SEED: u64 = 2026;
 

@@ -5,10 +5,6 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-#[path = "../support/capacity.rs"]
-#[allow(dead_code)]
-mod capacity;
-
 mod attempt_timeouts;
 mod budget;
 mod fleet;

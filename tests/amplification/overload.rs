@@ -9,7 +9,7 @@
 //! bottom sees no more attempts per call than one layer makes; and without a
 //! budget those attempts keep the service overloaded after the drop.
 
-use crate::capacity::{self, RATE, Row, Scenario, Trigger};
+use crate::support::capacity::{self, RATE, Row, Scenario, Trigger};
 
 #[tokio::test(start_paused = true)]
 async fn three_layers_with_attempt_timeouts_send_one_layers_attempts_in_an_overload() {

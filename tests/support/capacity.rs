@@ -25,18 +25,21 @@ use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderValue, Request, Response};
+use http::{HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
+use tonic::Code;
 use tonic::body::Body;
 use tonic_retry::budgets::{Budget, RetryThrottle, TowerBudget};
 use tonic_retry::{OutcomeBudget, RetryBudget, RetryLayer, RetryPolicy};
 use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneService;
 use tower::{BoxError, Layer, ServiceExt};
+
+use super::{answer, status};
 
 type Hop = BoxCloneService<Request<Body>, Response<Body>, BoxError>;
 
@@ -68,7 +71,7 @@ const SAMPLE: Duration = Duration::from_millis(10);
 const STARTED: &str = "x-call-started";
 
 /// What goes wrong.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Trigger {
     Outage,
     BrownOut,
@@ -119,7 +122,7 @@ impl Trigger {
 }
 
 /// Who pays for retries, at each hop.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Row {
     /// One attempt per call.
     NoRetries,
@@ -205,39 +208,8 @@ struct Record {
     queue: Mutex<Vec<i64>>,
 }
 
-struct Job {
-    answer: oneshot::Sender<()>,
-}
-
 fn ms(t: Duration) -> u32 {
     t.as_millis() as u32
-}
-
-/// A trailers-only answer with `code`.
-fn fail(code: tonic::Code) -> Response<Body> {
-    Response::builder()
-        .header("content-type", "application/grpc")
-        .header("grpc-status", code as i32)
-        .body(Body::empty())
-        .expect("a valid response")
-}
-
-/// A one-message answer with `OK` in its trailers.
-fn ok() -> Response<Body> {
-    let mut trailers = HeaderMap::new();
-    trailers.insert("grpc-status", HeaderValue::from_static("0"));
-    let frames = [
-        Ok::<_, tonic::Status>(http_body::Frame::data(bytes::Bytes::from_static(
-            b"\0\0\0\0\x01x",
-        ))),
-        Ok(http_body::Frame::trailers(trailers)),
-    ];
-    Response::builder()
-        .header("content-type", "application/grpc")
-        .body(Body::new(http_body_util::StreamBody::new(
-            tokio_stream::iter(frames),
-        )))
-        .expect("a valid response")
 }
 
 /// The bottom: the queue, its workers, and the faults of `trigger`.
@@ -248,7 +220,8 @@ fn bottom(
     record: Arc<Record>,
     queued: Arc<AtomicI64>,
 ) -> (Hop, Vec<tokio::task::JoinHandle<()>>) {
-    let (tx, rx) = mpsc::unbounded_channel::<Job>();
+    // Each request waiting in the queue: how to tell its caller it was served.
+    let (tx, rx) = mpsc::unbounded_channel::<oneshot::Sender<()>>();
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
     let workers = (0..WORKERS)
         .map(|i| {
@@ -262,14 +235,14 @@ fn bottom(
                         tokio::time::sleep_until(start + trigger.end()).await;
                         continue;
                     }
-                    let Some(job) = rx.lock().await.recv().await else {
+                    let Some(served) = rx.lock().await.recv().await else {
                         return;
                     };
                     queued.fetch_sub(1, Ordering::Relaxed);
                     let ms = rng.random_range(SERVICE_MS);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                     // Served whether or not its caller is still there.
-                    let _ = job.answer.send(());
+                    let _ = served.send(());
                 }
             })
         })
@@ -290,17 +263,17 @@ fn bottom(
                 _ => false,
             };
         let job = (!fails).then(|| {
-            let (answer, answered) = oneshot::channel();
+            let (served, answered) = oneshot::channel();
             queued.fetch_add(1, Ordering::Relaxed);
-            let _ = tx.send(Job { answer });
+            let _ = tx.send(served);
             answered
         });
         async move {
             match job {
-                None => Ok::<_, BoxError>(fail(tonic::Code::Unavailable)),
+                None => Ok::<_, BoxError>(status(Code::Unavailable)),
                 Some(answered) => {
                     answered.await.map_err(|_| BoxError::from("bottom gone"))?;
-                    Ok(ok())
+                    Ok(answer(Code::Ok))
                 }
             }
         }

@@ -1,9 +1,12 @@
 //! Helpers shared by the tests: `tower-test` mocks and their requests and
 //! answers, a real tonic `Library` server ([`library`]), a raw HTTP/2 server
-//! ([`raw`]), and the OpenTelemetry SDK's in-memory exporter ([`exported`]).
+//! ([`raw`]), a service with a capacity and what budgets do to it
+//! ([`capacity`]), and the OpenTelemetry SDK's in-memory exporter
+//! ([`exported`]).
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
+pub mod capacity;
 pub mod library;
 pub mod raw;
 
