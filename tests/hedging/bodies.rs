@@ -114,7 +114,7 @@ fn unavailable_with_pushback(ms: &'static str) -> Response<Body> {
 /// past the deadline ends with that status: no attempt was left to refuse.
 #[tokio::test(start_paused = true)]
 async fn a_retried_call_with_no_attempt_left_ends_with_the_last_status() {
-    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0).unwrap();
+    let policy = exact_policy(2);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let call = start(&mut svc, with_timeout(request(), "100m")).await;
     let (_, a1, _) = next(&mut handle).await;
@@ -211,7 +211,7 @@ fn assert_marked<B>(response: &Response<B>) {
 /// and must see one attempt in all.
 #[tokio::test(start_paused = true)]
 async fn stacked_layers_do_not_retry_a_marked_503() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0).unwrap();
+    let policy = exact_policy(3);
     let lower = RetryLayer::new(policy.clone(), budget());
     let upper = RetryLayer::new(policy, budget());
     let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
@@ -358,9 +358,7 @@ async fn a_body_of_known_size_is_hedged_with_its_copy_reserved_whole() {
 #[tokio::test(start_paused = true)]
 async fn a_retried_call_whose_body_cannot_be_resent_ends_with_the_last_status_despite_a_pushback_past_its_deadline()
  {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_replay_limit(4);
+    let policy = exact_policy(3).with_replay_limit(4);
     let (response, _, layer) = over_the_limit_then_pushed_past_the_deadline(policy).await;
     ends_unavailable_unrefused(&response, &layer);
 }

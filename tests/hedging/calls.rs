@@ -498,9 +498,7 @@ async fn an_adaptive_delay_starts_at_the_configured_one_and_follows_the_latency(
 /// sent the call's deadline, and its late answer ends the attempt's stream.
 #[tokio::test(start_paused = true)]
 async fn an_attempt_cut_by_its_timeout_is_drained_not_reset() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(3).with_attempt_timeout(100 * MS);
     let mut s = hedged(policy, budget());
     let call = start(&mut s, with_timeout(request(), "1S")).await;
     let (req, slow, _) = arrives(&mut s.handle).await;
@@ -521,9 +519,7 @@ async fn an_attempt_cut_by_its_timeout_is_drained_not_reset() {
 /// drain too: nothing of a dropped call is left running.
 #[tokio::test(start_paused = true)]
 async fn dropping_a_retried_call_ends_the_drain_of_its_cut_attempt() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(3).with_attempt_timeout(100 * MS);
     let mut s = hedged(policy, budget());
     let call = start(&mut s, with_timeout(request(), "5S")).await;
     let (_, _slow, _) = arrives(&mut s.handle).await;

@@ -414,7 +414,7 @@ async fn tonic_unary(svc: Svc) -> Result<(), tonic::Status> {
 #[tokio::test(start_paused = true)]
 async fn an_http_503_retried_to_ok_records_a_call_that_ended_ok_after_one_retry() {
     let exported = Exported::new();
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0).unwrap();
+    let policy = exact_policy(3);
     let (mut svc, mut handle) = layered(policy, budget(), named(&exported));
     let c = spawn_call(&mut svc, request()).await;
     let (_, send, _) = next(&mut handle).await;
@@ -866,7 +866,7 @@ async fn a_hedged_call_refused_by_the_deadline_counts_one_refusal() {
 #[tokio::test(start_paused = true)]
 async fn the_gauge_follows_the_balance_across_two_recorders_of_one_target() {
     let exported = Exported::new();
-    let once = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0).unwrap();
+    let once = exact_policy(2);
     let base = RetryLayer::new(once, RetryBudget::new(10, 1.0).unwrap());
     let a = base
         .clone()

@@ -4,7 +4,7 @@
 //! short; every call is bounded.
 #![cfg(feature = "opentelemetry")]
 
-use crate::support::bounded;
+use crate::support::{bounded, exact_policy};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -305,7 +305,7 @@ async fn a_call_retried_past_a_proxys_503_is_recorded_ok_with_one_retry() {
         .metrics(&target)
         .with_methods(["/library.v1.Library/GetBook"])
         .unwrap();
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0).unwrap();
+    let policy = exact_policy(3);
     let layer =
         RetryLayer::new(policy, RetryBudget::new(200, 0.1).unwrap()).with_grpc_metrics(metrics);
     let mut client = LibraryClient::new(

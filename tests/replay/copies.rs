@@ -180,11 +180,14 @@ async fn a_retry_mid_stream_replays_then_reads_on() {
 // Replay memory ends when retries end
 // ---------------------------------------------------------------------------
 
-/// A chunk of fresh memory, and a handle that tells whether anyone else still
-/// holds it.
-fn fresh_chunk(i: usize) -> (Bytes, Bytes) {
+/// Sends chunk `i`, of fresh memory, down the caller's stream `tx` and has
+/// the attempt whose body is `body` read it; a handle to the chunk tells
+/// whether anyone else (a copy) still holds it.
+async fn pass_chunk(tx: &Tx, body: &mut Body, i: usize) -> Bytes {
     let chunk = Bytes::from(format!("chunk {i}").into_bytes());
-    (chunk.clone(), chunk)
+    tx.send(Ok(Frame::data(chunk.clone()))).unwrap();
+    drop(body.frame().await.unwrap().unwrap());
+    chunk
 }
 
 #[tokio::test(start_paused = true)]
@@ -194,9 +197,7 @@ async fn once_the_call_commits_the_replay_copy_goes_and_nothing_more_is_copied()
     let call = spawn_call(&mut svc, req).await;
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
-    let (sent, mut mine) = fresh_chunk(0);
-    tx.send(Ok(Frame::data(sent))).unwrap();
-    drop(body.frame().await.unwrap().unwrap());
+    let mut mine = pass_chunk(&tx, &mut body, 0).await;
     assert!(
         !mine.is_unique(),
         "kept for a retry while none has answered"
@@ -206,10 +207,7 @@ async fn once_the_call_commits_the_replay_copy_goes_and_nothing_more_is_copied()
     call.await.unwrap().unwrap();
     assert!(mine.is_unique(), "the copy was released at the commit");
     for i in 1..200 {
-        let (sent, chunk) = fresh_chunk(i);
-        tx.send(Ok(Frame::data(sent))).unwrap();
-        drop(body.frame().await.unwrap().unwrap());
-        mine = chunk;
+        mine = pass_chunk(&tx, &mut body, i).await;
         assert!(mine.is_unique(), "chunk {i} was copied after the commit");
     }
 }
@@ -224,16 +222,12 @@ async fn a_call_with_one_attempt_keeps_its_copy_only_until_its_answer_starts() {
     let call = spawn_call(&mut svc, req).await;
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
-    let (sent, mine) = fresh_chunk(0);
-    tx.send(Ok(Frame::data(sent))).unwrap();
-    drop(body.frame().await.unwrap().unwrap());
+    let mine = pass_chunk(&tx, &mut body, 0).await;
     assert!(!mine.is_unique(), "kept while the stream may be refused");
     send.send_response(ok());
     call.await.unwrap().unwrap();
     assert!(mine.is_unique(), "the copy was released at the answer");
-    let (sent, next) = fresh_chunk(1);
-    tx.send(Ok(Frame::data(sent))).unwrap();
-    drop(body.frame().await.unwrap().unwrap());
+    let next = pass_chunk(&tx, &mut body, 1).await;
     assert!(next.is_unique(), "a chunk was copied after the answer");
 }
 
@@ -244,9 +238,7 @@ async fn the_last_attempt_drops_the_copy_once_its_answer_starts() {
     let call = spawn_call(&mut svc, req).await;
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
-    let (sent, first) = fresh_chunk(0);
-    tx.send(Ok(Frame::data(sent))).unwrap();
-    drop(body.frame().await.unwrap().unwrap());
+    let first = pass_chunk(&tx, &mut body, 0).await;
     drop(body);
     send.send_response(status(Code::Unavailable));
     // The second and last attempt replays the first chunk, then reads on;
@@ -254,16 +246,12 @@ async fn the_last_attempt_drops_the_copy_once_its_answer_starts() {
     let (req, send, _) = next(&mut handle).await;
     let mut body = req.into_body();
     drop(body.frame().await.unwrap().unwrap());
-    let (sent, second) = fresh_chunk(1);
-    tx.send(Ok(Frame::data(sent))).unwrap();
-    drop(body.frame().await.unwrap().unwrap());
+    let second = pass_chunk(&tx, &mut body, 1).await;
     send.send_response(ok());
     call.await.unwrap().unwrap();
     assert!(first.is_unique(), "the copy outlived the answer");
     assert!(second.is_unique(), "the copy outlived the answer");
-    let (sent, third) = fresh_chunk(2);
-    tx.send(Ok(Frame::data(sent))).unwrap();
-    drop(body.frame().await.unwrap().unwrap());
+    let third = pass_chunk(&tx, &mut body, 2).await;
     assert!(third.is_unique(), "a chunk was copied after the answer");
 }
 

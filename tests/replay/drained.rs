@@ -187,9 +187,7 @@ async fn past_the_deadline_a_hedged_call_whose_loser_drained_holds_no_replay_mem
 /// after the call ended.
 #[tokio::test(start_paused = true)]
 async fn a_drained_cut_attempt_that_has_yet_to_send_its_body_sends_it_whole() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(3).with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let call = spawn_call(&mut svc, with_timeout(request(), "1S")).await;
     let (r1, slow, _) = next(&mut handle).await;
@@ -218,8 +216,7 @@ async fn a_drained_cut_attempt_that_has_yet_to_send_its_body_sends_it_whole() {
 /// push the copy past its limit, failing the live retry's body.
 #[tokio::test(start_paused = true)]
 async fn a_drained_attempt_does_not_read_ahead_of_the_live_retry() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
+    let policy = exact_policy(3)
         .with_attempt_timeout(100 * MS)
         .with_replay_limit(16);
     let (mut svc, mut handle, layer) = setup(policy, budget());
@@ -294,9 +291,7 @@ async fn a_hedged_attempt_cut_by_its_own_timeout_and_drained_sends_its_body_whol
 /// layer's replay memory is free for other calls' retries.
 #[tokio::test(start_paused = true)]
 async fn a_finished_call_whose_cut_attempt_drains_holds_replay_memory_no_clone_needs() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(3).with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let layer_limit = 16;
     let layer = layer.with_replay_memory(layer_limit);
@@ -354,9 +349,7 @@ async fn a_drained_attempt_does_not_read_ahead_during_the_backoff() {
 /// request stream (whose sender must learn the call is over).
 #[tokio::test(start_paused = true)]
 async fn a_drain_outliving_every_clone_holds_neither_the_copy_nor_the_callers_stream() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(3).with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let (tx, call, r1, _slow) =
         streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;
@@ -381,8 +374,7 @@ async fn a_drain_outliving_every_clone_holds_neither_the_copy_nor_the_callers_st
 /// was kept.
 #[tokio::test(start_paused = true)]
 async fn after_the_commit_nothing_is_copied_and_a_drained_attempt_does_not_fail() {
-    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
+    let policy = exact_policy(2)
         .with_attempt_timeout(100 * MS)
         .with_replay_limit(16);
     let (mut svc, mut handle, layer) = setup(policy, budget());
@@ -448,9 +440,7 @@ const BIG: usize = 40 * 1024;
 /// A layer whose calls are tried twice, cut at 100 ms, and whose memory for
 /// copies holds one of `BIG` bytes.
 fn big_call_setup() -> (Svc, Handle, tonic_retry::RetryLayer) {
-    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(2).with_attempt_timeout(100 * MS);
     let (svc, handle, layer) = setup(policy, budget());
     (svc, handle, layer.with_replay_memory(BIG + 5))
 }
@@ -524,9 +514,7 @@ async fn another_call_failing_once_is_retried(svc: &mut Svc, handle: &mut Handle
 /// stream) would never answer and both drains would end at the deadline.
 #[tokio::test(start_paused = true)]
 async fn a_drained_last_attempt_reads_on_while_an_earlier_attempt_drains() {
-    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(2).with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let (tx, call, _r1, _slow1) =
         streamed_call(&mut svc, &mut handle, Bytes::from_static(b"abc")).await;

@@ -78,7 +78,7 @@ async fn a_call_waiting_for_its_service_holds_no_replay_memory() {
 /// so the layer admits no second copy past its limit.
 #[tokio::test(start_paused = true)]
 async fn the_copy_is_counted_until_the_last_attempt_has_read_it() {
-    let policy = RetryPolicy::new(2, 10 * MS, 100 * MS, 0.0).unwrap();
+    let policy = exact_policy(2);
     let layer = RetryLayer::new(policy, budget()).with_replay_memory(12);
     let (inner, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     let mut svc: Svc = layer.layer(inner);
@@ -110,9 +110,7 @@ async fn the_copy_is_counted_until_the_last_attempt_has_read_it() {
 /// yet to read it.
 #[tokio::test(start_paused = true)]
 async fn a_copy_a_drained_attempt_has_yet_to_send_stays_counted() {
-    let policy = RetryPolicy::new(3, 10 * MS, 100 * MS, 0.0)
-        .unwrap()
-        .with_attempt_timeout(100 * MS);
+    let policy = exact_policy(3).with_attempt_timeout(100 * MS);
     let (mut svc, mut handle, layer) = setup(policy, budget());
     let call = spawn_call(&mut svc, with_timeout(request(), "10S")).await;
     // Attempt 1's transport has yet to read its body; its server is slow.

@@ -50,6 +50,12 @@ pub fn policy(attempts: u32) -> RetryPolicy {
     RetryPolicy::new(attempts, 20 * MS, 500 * MS, 0.2).unwrap()
 }
 
+/// A policy of `attempts`, backing off from 10 ms to 100 ms without jitter:
+/// on paused time its retries go at exact times.
+pub fn exact_policy(attempts: u32) -> RetryPolicy {
+    RetryPolicy::new(attempts, 10 * MS, 100 * MS, 0.0).unwrap()
+}
+
 /// A service answering each attempt as `answer` says (given the attempt's
 /// index), after `delay`.
 pub fn scripted<F>(
