@@ -441,10 +441,7 @@ impl<B> ReplayBody<B> {
         readers.live = readers.live.saturating_add(1).min(UNSENT - 1);
         readers.live_pos = self.pos;
         self.epoch = readers.live;
-        if let Some(slot) = usize::from(self.attempt)
-            .checked_sub(1)
-            .and_then(|i| readers.hedged.get_mut(i))
-        {
+        if let Some(slot) = readers.attempt(self.attempt) {
             slot.epoch = self.epoch;
         }
         if self.marks.has(Marks::LAST) {
@@ -484,9 +481,9 @@ impl<B> ReplayBody<B> {
     /// Numbers this clone as attempt `number` of a hedged call.
     pub(crate) fn set_attempt(&mut self, number: u32) {
         self.attempt = attempt_number(number);
-        if let Some(i) = usize::from(self.attempt).checked_sub(1)
+        if self.attempt != 0
             && let Ok(mut shared) = self.state()
-            && let Some(slot) = shared.readers.hedged.get_mut(i)
+            && let Some(slot) = shared.readers.attempt(self.attempt)
         {
             slot.alive = true;
         }
@@ -599,15 +596,11 @@ impl<B> ReplayBody<B> {
                     break false;
                 }
                 Poll::Ready(None) => {
-                    input.ended = true;
-                    input.source = None;
+                    input.end(None);
                     break true;
                 }
                 Poll::Ready(Some(Err(error))) => {
-                    // Kept for the attempt that reads up to it.
-                    input.failed = true;
-                    input.source = None;
-                    input.error = Some(error);
+                    input.fail(Some(error));
                     break false;
                 }
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
@@ -619,9 +612,7 @@ impl<B> ReplayBody<B> {
                     Err(frame) => {
                         // NOTE: http-body's frames are data or trailers.
                         if let Ok(trailers) = frame.into_trailers() {
-                            input.trailers = Some(trailers);
-                            input.ended = true;
-                            input.source = None;
+                            input.end(Some(trailers));
                         }
                         break input.ended;
                     }

@@ -272,11 +272,7 @@ impl<B> Shared<B> {
     /// may read from now on (to `Only`); the copy goes as soon as it has
     /// replayed it.
     pub(super) fn release_to_attempt(&mut self, number: u8) {
-        let Some(slot) = usize::from(number)
-            .checked_sub(1)
-            .and_then(|i| self.readers.hedged.get(i))
-            .copied()
-        else {
+        let Some(slot) = self.readers.attempt(number).map(|slot| *slot) else {
             return self.finalize(UNSENT);
         };
         self.phase = Phase::Only(slot.epoch);
@@ -305,10 +301,7 @@ impl<B> Shared<B> {
     /// The clone of a hedged call's attempt `number` is gone: if it was the
     /// last loser the body was kept for, `Losers` to `Only`.
     pub(super) fn gone(&mut self, number: u8) {
-        if let Some(slot) = usize::from(number)
-            .checked_sub(1)
-            .and_then(|i| self.readers.hedged.get_mut(i))
-        {
+        if let Some(slot) = self.readers.attempt(number) {
             slot.alive = false;
         }
         if let Phase::Losers(heir) = self.phase

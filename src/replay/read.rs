@@ -124,13 +124,13 @@ where
                 return Poll::Pending;
             }
             Poll::Ready(None) => {
-                input.ended = true;
-                input.source = None;
+                input.end(None);
                 None
             }
             Poll::Ready(Some(Err(e))) => {
-                input.failed = true;
-                input.source = None;
+                // This clone hands the error on: later ones get
+                // `SourceFailed`.
+                input.fail(None);
                 input.head.clear();
                 Some(Err(e))
             }
@@ -144,9 +144,7 @@ where
                 Err(frame) => match frame.into_trailers() {
                     Ok(trailers) => {
                         // Trailers end an HTTP body.
-                        input.trailers = Some(trailers.clone());
-                        input.ended = true;
-                        input.source = None;
+                        input.end(Some(trailers.clone()));
                         this.trailers_sent = true;
                         Some(Ok(Frame::trailers(trailers)))
                     }

@@ -111,6 +111,14 @@ pub(super) struct Hedged {
 }
 
 impl Readers {
+    /// A hedged call's attempt `number` (1 to [`HEDGE_SLOTS`]); `None` for
+    /// 0, a clone that is no hedged call's attempt.
+    pub(super) fn attempt(&mut self, number: u8) -> Option<&mut Hedged> {
+        usize::from(number)
+            .checked_sub(1)
+            .and_then(|i| self.hedged.get_mut(i))
+    }
+
     /// Whether a hedged call's attempt other than `number` has its clone
     /// alive.
     pub(super) fn others_alive(&self, number: u8) -> bool {
@@ -230,6 +238,21 @@ impl<B> Input<B> {
         }
     }
 
+    /// The caller's body ended, with `trailers` if it sent some.
+    pub(super) fn end(&mut self, trailers: Option<HeaderMap>) {
+        self.trailers = trailers;
+        self.ended = true;
+        self.source = None;
+    }
+
+    /// The caller's body failed; `error` is kept for the attempt that reads
+    /// up to it.
+    pub(super) fn fail(&mut self, error: Option<BoxError>) {
+        self.failed = true;
+        self.source = None;
+        self.error = error;
+    }
+
     pub(super) fn wait(&mut self, cx: &Context<'_>) {
         if !self.waiting.iter().any(|w| w.will_wake(cx.waker())) {
             self.waiting.push(cx.waker().clone());
@@ -260,10 +283,7 @@ impl<B> Shared<B> {
     /// Notes that the clone sent as `epoch` (a hedged call's `attempt`, or
     /// 0) has read up to `pos`.
     pub(super) fn advanced(&mut self, (epoch, attempt): (u32, u8), pos: usize) {
-        if let Some(slot) = usize::from(attempt)
-            .checked_sub(1)
-            .and_then(|i| self.readers.hedged.get_mut(i))
-        {
+        if let Some(slot) = self.readers.attempt(attempt) {
             slot.pos = pos;
         }
         if epoch == self.readers.live {

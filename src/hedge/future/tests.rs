@@ -44,11 +44,9 @@ fn whole() -> Body {
     Body::new(Full::new(Bytes::from_static(b"\0\0\0\0\x01x")))
 }
 
+/// A Trailers-Only answer with `code`, and `pushback` if given.
 fn status(code: u8, pushback: Option<&'static str>) -> Response<Body> {
-    let mut response = Response::new(Body::empty());
-    response
-        .headers_mut()
-        .insert("content-type", HeaderValue::from_static("application/grpc"));
+    let mut response = ok();
     response
         .headers_mut()
         .insert(GRPC_STATUS, HeaderValue::from(u16::from(code)));
@@ -60,6 +58,7 @@ fn status(code: u8, pushback: Option<&'static str>) -> Response<Body> {
     response
 }
 
+/// Response headers without a status: the call is committed.
 fn ok() -> Response<Body> {
     let mut response = Response::new(Body::empty());
     response
