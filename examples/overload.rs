@@ -16,7 +16,6 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use support::capacity::{self, Measured, Row, Scenario, Trigger};
 
@@ -128,10 +127,7 @@ fn main() {
 /// drop leaves drains), and retries under attempt timeouts without a budget
 /// keep it overloaded for good.
 fn check_the_model(alone: &Measured, unbudgeted: &Measured) {
-    let recovers = alone
-        .recovery
-        .filter(|d| *d >= Duration::from_secs(1) && *d <= Duration::from_millis(2_500));
-    let Some(recovery) = recovers else {
+    let Some(recovery) = capacity::recovers_alone(alone) else {
         eprintln!("the model is wrong: without retries, the capacity drop gives {alone:?}");
         std::process::exit(1);
     };

@@ -197,6 +197,15 @@ pub(crate) struct Measured {
     pub(crate) calls: u64,
 }
 
+/// The model's check on a run without retries: the service recovers from a
+/// capacity drop or a load spike within a second or two, the time the queue
+/// the trigger leaves takes to drain. Its recovery, if so.
+pub(crate) fn recovers_alone(alone: &Measured) -> Option<Duration> {
+    alone
+        .recovery
+        .filter(|d| *d >= Duration::from_secs(1) && *d <= Duration::from_millis(2_500))
+}
+
 /// The bottom's record.
 #[derive(Default)]
 struct Record {
