@@ -66,7 +66,7 @@ fn main() {
     let success = |m: &Measured| format!("{:.1} %", 100.0 * m.success);
     let recovery = |m: &Measured| match m.recovery {
         Some(d) => format!("{:.2} s", d.as_secs_f64()),
-        None => format!("never ({}k queued)", m.max_queue / 1_000),
+        None => format!("never (queue {}k)", m.max_queue / 1_000),
     };
     println!(
         "Each cell: 1 hop / 3 hops. Onset: attempts at the bottom per call offered, in the busiest\n\
@@ -138,7 +138,7 @@ fn check_the_model(alone: &Measured, unbudgeted: &Measured) {
     println!(
         "The model's check: without retries the service recovers from the capacity drop in \
          {:.2} s; retrying\nwithout a budget under 150 ms attempt timeouts, at 3 hops, it never \
-         does ({}k queued when the run ends).\n",
+         does (its queue grows to {}k).\n",
         recovery.as_secs_f64(),
         unbudgeted.max_queue / 1_000
     );

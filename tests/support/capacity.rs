@@ -347,13 +347,7 @@ fn counting(inner: Hop, counter: Arc<AtomicUsize>, retries: bool) -> Hop {
 /// layer.
 fn hop(scenario: &Scenario, next: Hop) -> Hop {
     let mut policy = if scenario.row == Row::NoRetries {
-        RetryPolicy::new(
-            1,
-            Duration::from_millis(20),
-            Duration::from_millis(500),
-            0.2,
-        )
-        .expect("a valid policy")
+        RetryPolicy::no_retry()
     } else {
         RetryPolicy::default()
     };
